@@ -1,0 +1,40 @@
+"""Every environment knob lrdsl reads, in one place.
+
+LRDSL_CACHE_DIR   where compiled modules are cached (default: $XDG_CACHE_HOME/lrdsl or ~/.cache/lrdsl)
+LRDSL_DUMP        a directory: every generated module is also written there, named by spec and key
+TRITON_INTERPRET  Triton's own switch; lrdsl turns it on when there is no GPU so kernels run on the CPU
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("LRDSL_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "lrdsl"
+
+
+def dump_dir() -> Path | None:
+    value = os.environ.get("LRDSL_DUMP")
+    return Path(value).expanduser() if value else None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_interpreter_without_gpu() -> bool:
+    """Turn on Triton's CPU interpreter when no CUDA device exists. Returns whether it is on.
+
+    Triton reads TRITON_INTERPRET when a kernel is decorated, so call this before loading a module.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    return interpreting()

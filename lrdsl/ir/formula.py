@@ -1,0 +1,102 @@
+"""Formulas of in-kernel activations (gate and beta), as sympy expressions.
+
+Specs write formulas as text, e.g. ``-exp(A_log) * softplus(a + dt_bias)``. They are parsed into
+sympy with a closed vocabulary of functions so that the same expression can be
+ - printed as Triton (lrdsl.codegen.printer),
+ - evaluated in float64 by the oracle (lrdsl.reference),
+ - differentiated for the backward (sympy.diff, using the `fdiff` rules below).
+"""
+from __future__ import annotations
+
+import sympy
+from sympy.core.function import AppliedUndef
+from sympy.parsing.sympy_parser import convert_xor, parse_expr, standard_transformations
+
+
+class softplus(sympy.Function):
+    """log(1 + exp(x)), printed in an overflow-safe form."""
+
+    def fdiff(self, argindex=1):
+        return sigmoid(self.args[0])
+
+
+class sigmoid(sympy.Function):
+    """1 / (1 + exp(-x))."""
+
+    def fdiff(self, argindex=1):
+        s = sigmoid(self.args[0])
+        return s * (1 - s)
+
+
+class logsigmoid(sympy.Function):
+    """log(sigmoid(x)) = -softplus(-x)."""
+
+    def fdiff(self, argindex=1):
+        return sigmoid(-self.args[0])
+
+
+# The functions a spec may call. Anything else is an error at parse time.
+FUNCTIONS: dict[str, type] = {
+    "exp": sympy.exp,
+    "log": sympy.log,
+    "sqrt": sympy.sqrt,
+    "tanh": sympy.tanh,
+    "softplus": softplus,
+    "sigmoid": sigmoid,
+    "logsigmoid": logsigmoid,
+}
+
+# Symbols every formula may use without declaring them.
+HEAD_INDEX = sympy.Symbol("h")  # the value-head index, 0 .. HV-1 (for constant per-head decays)
+RESERVED = {"h": HEAD_INDEX}
+
+
+class FormulaSyntaxError(ValueError):
+    """The text is not a formula lrdsl understands; the message says why in one line."""
+
+
+def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
+    """Parse `text` into a sympy expression over the symbols in `allowed` (plus the reserved ones)."""
+    if not isinstance(text, str) or not text.strip():
+        raise FormulaSyntaxError("expected a non-empty formula string")
+    names = {name: sympy.Symbol(name) for name in allowed}
+    local = {**FUNCTIONS, **RESERVED, **names}
+    namespace = {
+        "__builtins__": {},
+        "Symbol": sympy.Symbol,
+        "Integer": sympy.Integer,
+        "Float": sympy.Float,
+        "Rational": sympy.Rational,
+        "Function": sympy.Function,
+    }
+    try:
+        expr = parse_expr(
+            text,
+            local_dict=local,
+            global_dict=namespace,
+            transformations=standard_transformations + (convert_xor,),
+        )
+    except Exception as exc:  # sympy raises SyntaxError, TokenError, TypeError, NameError ...
+        raise FormulaSyntaxError(f"cannot parse formula {text!r}: {type(exc).__name__}") from None
+    if not isinstance(expr, sympy.Expr):
+        raise FormulaSyntaxError(f"formula {text!r} is not an arithmetic expression")
+    unknown_functions = sorted({type(f).__name__ for f in expr.atoms(AppliedUndef)})
+    if unknown_functions:
+        known = ", ".join(sorted(FUNCTIONS))
+        raise FormulaSyntaxError(
+            f"formula {text!r} calls unknown function {unknown_functions[0]!r} (known: {known})"
+        )
+    unknown_symbols = sorted(str(s) for s in expr.free_symbols if str(s) not in local)
+    if unknown_symbols:
+        declared = ", ".join(sorted(allowed)) or "none"
+        raise FormulaSyntaxError(
+            f"formula {text!r} uses undeclared name {unknown_symbols[0]!r} "
+            f"(declared inputs: {declared}; reserved: h)"
+        )
+    if expr.has(sympy.I, sympy.zoo, sympy.nan, sympy.oo):
+        raise FormulaSyntaxError(f"formula {text!r} is not a finite real expression")
+    return expr
+
+
+def symbols_of(expr: sympy.Expr) -> frozenset[str]:
+    return frozenset(str(s) for s in expr.free_symbols)

@@ -1,0 +1,140 @@
+"""Recurrence IR: the strict, canonical description of one token mixer.
+
+Per value head the state S is K x V. With q_t, k_t in R^K and v_t in R^V (DESIGN.md section 1):
+
+    decay   S' = D_t S_{t-1}        D_t from the gate kind and the log-decay formula
+    delta   u_t = beta_t (v_t - S'^T k_t),  S_t = S' + k_t u_t^T
+    plain   S_t = S' + k_t (beta_t v_t)^T
+    output  o_t = scale * S_t^T q_t
+
+q, k, v are implicit inputs; `inputs` lists the spec's further inputs in positional order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import sympy
+
+from .formula import HEAD_INDEX, symbols_of
+
+
+class GateKind(str, Enum):
+    NONE = "none"  # D_t = 1
+    SCALAR = "scalar"  # D_t = exp(g_t), one g per token and value head
+    KEY_CHANNEL = "key_channel"  # D_t = Diag(exp(g_t)), g_t in R^K
+    CONSTANT = "constant"  # D_t = exp(c_h), one constant per value head
+
+
+class UpdateRule(str, Enum):
+    DELTA = "delta"
+    PLAIN = "plain"
+
+
+class InputRole(str, Enum):
+    TOKEN = "token"  # [B, T, HV]
+    TOKEN_KEY = "token_key"  # [B, T, HV, K]
+    HEAD = "head"  # [HV]
+    HEAD_KEY = "head_key"  # [HV, K]
+
+    @property
+    def shape(self) -> tuple[str, ...]:
+        return ROLE_SHAPES[self]
+
+    @property
+    def per_token(self) -> bool:
+        return self in (InputRole.TOKEN, InputRole.TOKEN_KEY)
+
+    @property
+    def per_key_channel(self) -> bool:
+        return self in (InputRole.TOKEN_KEY, InputRole.HEAD_KEY)
+
+
+ROLE_SHAPES = {
+    InputRole.TOKEN: ("B", "T", "HV"),
+    InputRole.TOKEN_KEY: ("B", "T", "HV", "K"),
+    InputRole.HEAD: ("HV",),
+    InputRole.HEAD_KEY: ("HV", "K"),
+}
+
+# q, k, v are part of every recurrence; their shapes are fixed by the contract.
+QKV_SHAPES = {"q": ("B", "T", "H", "K"), "k": ("B", "T", "H", "K"), "v": ("B", "T", "HV", "V")}
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    role: InputRole
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    name: str
+    update: UpdateRule
+    gate: GateKind
+    log_decay: sympy.Expr | None  # natural-log decay; None exactly when gate is NONE
+    beta: sympy.Expr | None  # write strength; None means beta = 1
+    inputs: tuple[Input, ...]  # positional inputs after q, k, v
+    summary: str = ""
+
+    @property
+    def is_delta(self) -> bool:
+        return self.update is UpdateRule.DELTA
+
+    @property
+    def has_gate(self) -> bool:
+        return self.gate is not GateKind.NONE
+
+    @property
+    def has_beta(self) -> bool:
+        return self.beta is not None
+
+    def input(self, name: str) -> Input:
+        for inp in self.inputs:
+            if inp.name == name:
+                return inp
+        raise KeyError(name)
+
+    @property
+    def token_inputs(self) -> tuple[Input, ...]:
+        return tuple(i for i in self.inputs if i.role.per_token)
+
+    @property
+    def head_inputs(self) -> tuple[Input, ...]:
+        return tuple(i for i in self.inputs if not i.role.per_token)
+
+    def formula_inputs(self, expr: sympy.Expr | None) -> tuple[Input, ...]:
+        """The declared inputs a formula reads, in positional order."""
+        if expr is None:
+            return ()
+        used = symbols_of(expr)
+        return tuple(i for i in self.inputs if i.name in used)
+
+    def uses_head_index(self, expr: sympy.Expr | None) -> bool:
+        return expr is not None and HEAD_INDEX in expr.free_symbols
+
+    def is_per_token(self, expr: sympy.Expr | None) -> bool:
+        return any(i.role.per_token for i in self.formula_inputs(expr))
+
+    def is_per_key_channel(self, expr: sympy.Expr | None) -> bool:
+        return any(i.role.per_key_channel for i in self.formula_inputs(expr))
+
+    def describe(self) -> str:
+        """One canonical text form: what `lrdsl show --stage recurrence` prints and the cache hashes."""
+        lines = [f"recurrence {self.name}"]
+        if self.summary:
+            lines.append(f"  summary   {self.summary}")
+        lines.append(f"  update    {self.update.value}")
+        lines.append(f"  gate      {self.gate.value}")
+        signature = ["q[B,T,H,K]", "k[B,T,H,K]", "v[B,T,HV,V]"]
+        signature += [f"{i.name}[{','.join(i.role.shape)}]" for i in self.inputs]
+        lines.append(f"  inputs    {', '.join(signature)}")
+        lines.append(f"  log_decay {self.log_decay if self.log_decay is not None else '0 (no decay)'}")
+        lines.append(f"  beta      {self.beta if self.beta is not None else '1'}")
+        return "\n".join(lines)
+
+    def fingerprint(self) -> str:
+        """Exact text identity of this IR (formulas as sympy trees), for cache keys."""
+        return "\n".join(
+            [self.describe(), sympy.srepr(self.log_decay), sympy.srepr(self.beta)]
+        )

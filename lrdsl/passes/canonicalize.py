@@ -1,0 +1,90 @@
+"""canonicalize: Spec (forgiving, user-facing) -> Recurrence IR (strict, canonical).
+
+Checks that the declared pieces make one sensible recurrence; each problem is a SpecError naming
+the key and line. After this pass nothing downstream needs to look at the spec again.
+"""
+from __future__ import annotations
+
+import sympy
+
+from ..ir.formula import HEAD_INDEX
+from ..ir.recurrence import GateKind, Input, Recurrence, UpdateRule
+from ..spec import Spec
+
+
+def canonicalize(spec: Spec) -> Recurrence:
+    inputs = tuple(Input(name, role) for name, role in spec.inputs)
+    roles = {i.name: i.role for i in inputs}
+    log_decay = spec.formulas.get("log_decay")
+    beta = spec.formulas.get("beta")
+
+    def reads(formula, predicate) -> list[str]:
+        return sorted(str(s) for s in formula.expr.free_symbols if str(s) in roles and predicate(roles[str(s)]))
+
+    if spec.gate is GateKind.NONE and log_decay is not None:
+        raise spec.error("formulas.log_decay", "given, but recurrence.gate = 'none' has no decay; remove it or set a gate")
+    if spec.gate is not GateKind.NONE and log_decay is None:
+        raise spec.error(
+            "recurrence.gate", f"gate = '{spec.gate.value}' needs formulas.log_decay (the natural-log decay)"
+        )
+
+    if log_decay is not None:
+        per_token = reads(log_decay, lambda r: r.per_token)
+        per_key = reads(log_decay, lambda r: r.per_key_channel)
+        if spec.gate is GateKind.CONSTANT and per_token:
+            raise spec.error(
+                "formulas.log_decay",
+                f"gate = 'constant' takes a formula of h and per-head inputs, but it reads per-token input {per_token[0]!r}",
+            )
+        if spec.gate is GateKind.CONSTANT and per_key:
+            raise spec.error(
+                "formulas.log_decay",
+                f"gate = 'constant' is one decay per value head, but it reads per-key-channel input {per_key[0]!r}",
+            )
+        if spec.gate in (GateKind.SCALAR, GateKind.KEY_CHANNEL) and not per_token:
+            raise spec.error(
+                "formulas.log_decay",
+                f"gate = '{spec.gate.value}' needs a decay per token, but the formula reads no per-token input "
+                "(a decay fixed per head is gate = 'constant')",
+            )
+        if spec.gate is GateKind.SCALAR and per_key:
+            raise spec.error(
+                "formulas.log_decay",
+                f"gate = 'scalar' is one decay per token and head, but it reads per-key-channel input {per_key[0]!r} "
+                "(that is gate = 'key_channel')",
+            )
+        if spec.gate is GateKind.KEY_CHANNEL and not per_key:
+            raise spec.error(
+                "formulas.log_decay",
+                "gate = 'key_channel' needs a decay per key channel, but the formula reads no token_key/head_key input",
+            )
+        if spec.gate is not GateKind.CONSTANT and HEAD_INDEX in log_decay.expr.free_symbols:
+            raise spec.error("formulas.log_decay", "the head index h may only appear in a constant gate's formula")
+
+    if beta is not None:
+        per_key = reads(beta, lambda r: r.per_key_channel)
+        if per_key:
+            raise spec.error(
+                "formulas.beta", f"beta is one number per token and head, but it reads per-key-channel input {per_key[0]!r}"
+            )
+        if HEAD_INDEX in beta.expr.free_symbols:
+            raise spec.error("formulas.beta", "the head index h may only appear in a constant gate's formula")
+
+    used = set()
+    for formula in (log_decay, beta):
+        if formula is not None:
+            used |= {str(s) for s in formula.expr.free_symbols}
+    for inp in inputs:
+        if inp.name not in used:
+            raise spec.error(f"inputs.{inp.name}", "declared but no formula reads it")
+
+    return Recurrence(
+        name=spec.name,
+        update=UpdateRule(spec.update),
+        gate=GateKind(spec.gate),
+        log_decay=sympy.sympify(log_decay.expr) if log_decay is not None else None,
+        beta=sympy.sympify(beta.expr) if beta is not None else None,
+        inputs=inputs,
+        summary=spec.summary,
+    )
+

@@ -1,0 +1,47 @@
+"""derive_step: Recurrence IR -> the per-token step program of the recurrent kernel.
+
+The lowering is read straight off the recurrence (DESIGN.md section 1): the gate kind picks the
+decay op, the update rule picks predict/residual or a scaled write, beta is applied where the
+spec declares it. Per-head inputs and formulas that read no per-token input are hoisted into
+the prologue, so the body does only per-token work.
+"""
+from __future__ import annotations
+
+from ..ir.recurrence import GateKind, Recurrence
+from ..ir.step import (
+    DecayState,
+    DeltaResidual,
+    Formula,
+    LoadInput,
+    LoadVector,
+    NormalizeL2,
+    PredictValue,
+    ReadOutput,
+    ScaleValue,
+    StepProgram,
+    StoreOutput,
+    WriteState,
+)
+
+
+def derive_step(rec: Recurrence) -> StepProgram:
+    prologue = [LoadInput(i.name, i.role) for i in rec.head_inputs]
+    body = [LoadVector("q"), LoadVector("k"), LoadVector("v")]
+    body += [LoadInput(i.name, i.role) for i in rec.token_inputs]
+    body += [NormalizeL2("q"), NormalizeL2("k")]
+
+    for target, expr in (("g_t", rec.log_decay), ("beta_t", rec.beta)):
+        if expr is None:
+            continue
+        op = Formula(target, expr, per_key=rec.is_per_key_channel(expr))
+        # A formula of per-head inputs only (a constant gate, a per-head beta) is loop-invariant.
+        (body if rec.is_per_token(expr) else prologue).append(op)
+
+    if rec.gate is not GateKind.NONE:
+        body.append(DecayState(per_key=rec.gate is GateKind.KEY_CHANNEL))
+    if rec.is_delta:
+        body += [PredictValue(), DeltaResidual(with_beta=rec.has_beta)]
+    else:
+        body.append(ScaleValue(with_beta=rec.has_beta))
+    body += [WriteState(), ReadOutput(), StoreOutput()]
+    return StepProgram(rec, tuple(prologue), tuple(body))

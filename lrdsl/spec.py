@@ -1,0 +1,250 @@
+"""Spec files: the forgiving, user-facing description of a recurrence (TOML).
+
+A spec is read and checked here for syntax, keys and types; the canonicalize pass turns it into
+the strict recurrence IR and checks that the combination makes sense. Every problem becomes one
+`SpecError` line naming the file, the line and the key. specs/README.md documents the schema.
+"""
+from __future__ import annotations
+
+import keyword
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import SpecError
+from .ir.formula import FormulaSyntaxError, parse_formula
+from .ir.recurrence import GateKind, InputRole, UpdateRule
+
+TOP_LEVEL_KEYS = ("name", "summary", "recurrence", "inputs", "formulas")
+RECURRENCE_KEYS = ("update", "gate")
+FORMULA_KEYS = ("log_decay", "beta")
+
+# Names the generated code uses itself; an input may not take them.
+RESERVED_INPUT_NAMES = frozenset(
+    "q k v o h h0 ht dht dh0 scale T B H HV K V N C cu_seqlens chunk_indices chunk_offsets "
+    "g_t beta_t initial_state output_final_state use_qk_l2norm_in_kernel chunk_size plan "
+    "tl triton torch".split()
+)
+
+# Spellings users reach for, mapped to the canonical values.
+GATE_ALIASES = {
+    "none": GateKind.NONE,
+    "scalar": GateKind.SCALAR,
+    "key_channel": GateKind.KEY_CHANNEL,
+    "keychannel": GateKind.KEY_CHANNEL,
+    "channel": GateKind.KEY_CHANNEL,
+    "per_key": GateKind.KEY_CHANNEL,
+    "constant": GateKind.CONSTANT,
+    "const": GateKind.CONSTANT,
+}
+UPDATE_ALIASES = {
+    "delta": UpdateRule.DELTA,
+    "delta_rule": UpdateRule.DELTA,
+    "plain": UpdateRule.PLAIN,
+    "additive": UpdateRule.PLAIN,
+}
+ROLE_ALIASES = {
+    "token": InputRole.TOKEN,
+    "token_key": InputRole.TOKEN_KEY,
+    "head": InputRole.HEAD,
+    "head_key": InputRole.HEAD_KEY,
+}
+
+
+@dataclass(frozen=True)
+class SpecFormula:
+    key: str  # "log_decay" or "beta"
+    text: str
+    expr: object  # sympy.Expr
+
+
+@dataclass(frozen=True)
+class Spec:
+    path: str
+    name: str
+    summary: str
+    update: UpdateRule
+    gate: GateKind
+    inputs: tuple[tuple[str, InputRole], ...]
+    formulas: dict[str, SpecFormula] = field(hash=False)
+    key_lines: dict[str, int] = field(hash=False, repr=False)
+
+    def line_of(self, dotted_key: str) -> int | None:
+        return self.key_lines.get(dotted_key)
+
+    def error(self, dotted_key: str, message: str) -> SpecError:
+        """A SpecError pointing at the line of `dotted_key`, naming the key in the message."""
+        return SpecError(self.path, f"{dotted_key}: {message}", self.line_of(dotted_key))
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(str(path), "no such spec file")
+    if path.is_dir():
+        raise SpecError(str(path), "is a directory, expected a .toml spec file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(str(path), f"cannot read spec file ({exc.__class__.__name__})") from None
+    return parse_spec(text, str(path))
+
+
+def parse_spec(text: str, path: str = "<spec>") -> Spec:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message, line = _split_toml_position(str(exc))
+        raise SpecError(path, f"invalid TOML: {message}", line) from None
+    lines = _key_lines(text)
+
+    def fail(key: str, message: str) -> SpecError:
+        return SpecError(path, f"{key}: {message}", lines.get(key))
+
+    _reject_unknown(data, TOP_LEVEL_KEYS, "", fail)
+    name = _required_str(data, "name", fail)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise fail("name", f"expected an identifier (letters, digits, '_'), got {name!r}")
+    summary = data.get("summary", "")
+    if not isinstance(summary, str):
+        raise fail("summary", f"expected a string, got {_type_name(summary)}")
+
+    recurrence = _required_table(data, "recurrence", fail)
+    _reject_unknown(recurrence, RECURRENCE_KEYS, "recurrence.", fail)
+    update = _choice(recurrence, "recurrence.update", "update", UPDATE_ALIASES, fail)
+    gate = _choice(recurrence, "recurrence.gate", "gate", GATE_ALIASES, fail)
+
+    inputs_table = data.get("inputs", {})
+    if not isinstance(inputs_table, dict):
+        raise fail("inputs", f"expected a table of name = role, got {_type_name(inputs_table)}")
+    inputs = []
+    for name_, role_text in inputs_table.items():
+        key = f"inputs.{name_}"
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name_) or keyword.iskeyword(name_):
+            raise fail(key, "an input name must be a Python identifier")
+        if name_ in RESERVED_INPUT_NAMES or name_.startswith(("b_", "p_", "m_", "o_", "i_")):
+            raise fail(key, f"the name {name_!r} is reserved by lrdsl; choose another")
+        if not isinstance(role_text, str):
+            raise fail(key, f"expected a role string ({_expected(ROLE_ALIASES)}), got {_type_name(role_text)}")
+        role = ROLE_ALIASES.get(_normal(role_text))
+        if role is None:
+            raise fail(key, f"unknown role {role_text!r}; expected {_expected(ROLE_ALIASES)}")
+        inputs.append((name_, role))
+
+    formulas_table = data.get("formulas", {})
+    if not isinstance(formulas_table, dict):
+        raise fail("formulas", f"expected a table, got {_type_name(formulas_table)}")
+    _reject_unknown(formulas_table, FORMULA_KEYS, "formulas.", fail)
+    declared = {n for n, _ in inputs}
+    formulas = {}
+    for key_, text_ in formulas_table.items():
+        key = f"formulas.{key_}"
+        if not isinstance(text_, str):
+            raise fail(key, f"expected a formula string, got {_type_name(text_)}")
+        try:
+            expr = parse_formula(text_, declared)
+        except FormulaSyntaxError as exc:
+            raise fail(key, str(exc)) from None
+        formulas[key_] = SpecFormula(key_, text_, expr)
+
+    return Spec(
+        path=path,
+        name=name,
+        summary=summary,
+        update=update,
+        gate=gate,
+        inputs=tuple(inputs),
+        formulas=formulas,
+        key_lines=lines,
+    )
+
+
+def _normal(text: str) -> str:
+    return text.strip().lower().replace("-", "_").replace(" ", "_")
+
+
+def _expected(aliases: dict) -> str:
+    canonical = []
+    for value in aliases.values():
+        if value.value not in canonical:
+            canonical.append(value.value)
+    return " | ".join(repr(c) for c in canonical)
+
+
+def _type_name(value) -> str:
+    return {dict: "a table", list: "an array", bool: "a boolean", int: "an integer", float: "a float"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _reject_unknown(table: dict, allowed: tuple[str, ...], prefix: str, fail) -> None:
+    for key in table:
+        if key not in allowed:
+            known = ", ".join(allowed)
+            raise fail(f"{prefix}{key}", f"unknown key (expected one of: {known})")
+
+
+def _required_str(table: dict, key: str, fail) -> str:
+    if key not in table:
+        raise fail(key, "missing required key")
+    value = table[key]
+    if not isinstance(value, str):
+        raise fail(key, f"expected a string, got {_type_name(value)}")
+    return value
+
+
+def _required_table(table: dict, key: str, fail) -> dict:
+    if key not in table:
+        raise fail(key, f"missing required table [{key}]")
+    value = table[key]
+    if not isinstance(value, dict):
+        raise fail(key, f"expected a table [{key}], got {_type_name(value)}")
+    return value
+
+
+def _choice(table: dict, dotted: str, key: str, aliases: dict, fail):
+    if key not in table:
+        raise fail(dotted, f"missing required key (expected {_expected(aliases)})")
+    value = table[key]
+    if not isinstance(value, str):
+        raise fail(dotted, f"expected a string ({_expected(aliases)}), got {_type_name(value)}")
+    choice = aliases.get(_normal(value))
+    if choice is None:
+        raise fail(dotted, f"unknown value {value!r}; expected {_expected(aliases)}")
+    return choice
+
+
+_POSITION = re.compile(r"\s*\(at line (\d+), column \d+\)\s*$")
+
+
+def _split_toml_position(message: str) -> tuple[str, int | None]:
+    match = _POSITION.search(message)
+    if not match:
+        return message, None
+    return message[: match.start()], int(match.group(1))
+
+
+_TABLE = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\" ]+?)\s*\]\s*(#.*)?$")
+_KEY = re.compile(r"^\s*(\"[^\"]*\"|'[^']*'|[A-Za-z0-9_\-]+)\s*=")
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Map dotted keys ("recurrence.gate", "inputs.g", "formulas") to their 1-based line numbers.
+
+    tomllib keeps no positions, so this scans the text; it only has to understand the simple
+    layouts specs use (tables and key = value lines).
+    """
+    lines: dict[str, int] = {}
+    table = ""
+    for number, raw in enumerate(text.splitlines(), start=1):
+        header = _TABLE.match(raw)
+        if header:
+            table = ".".join(part.strip().strip('"') for part in header.group(1).split("."))
+            lines.setdefault(table, number)
+            continue
+        key = _KEY.match(raw)
+        if key:
+            name = key.group(1).strip("\"'")
+            lines.setdefault(f"{table}.{name}" if table else name, number)
+    return lines
