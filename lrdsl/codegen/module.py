@@ -1,0 +1,59 @@
+"""Module emitter: all stages of one spec -> the source of one standalone Python module.
+
+The module imports torch and triton only; `lrdsl compile` writes it to a file, `lrdsl.load`
+caches and imports it.
+"""
+from __future__ import annotations
+
+from .. import __version__
+from ..ir.recurrence import Recurrence
+from ..ir.step import StepProgram
+from .printer import HELPERS
+from .recurrent import emit_recurrent_kernel, kernel_name
+from .templating import render
+
+# Launch defaults of the recurrent kernel: value columns per program and warps.
+RECURRENT_BLOCK_V = 32
+RECURRENT_NUM_WARPS = 4
+
+
+def _positional(rec: Recurrence) -> str:
+    return ", ".join(["q", "k", "v"] + [i.name for i in rec.inputs])
+
+
+def _extras_tuple(rec: Recurrence) -> str:
+    names = [i.name for i in rec.inputs]
+    return "".join(f"{n}, " for n in names)
+
+
+def emit_recurrent_section(step: StepProgram) -> str:
+    rec = step.recurrence
+    return render(
+        "recurrent_api.py.jinja",
+        kernel=emit_recurrent_kernel(step),
+        kernel_name=kernel_name(step),
+        spec_name=rec.name,
+        positional=_positional(rec),
+        extras=_extras_tuple(rec),
+        block_v=RECURRENT_BLOCK_V,
+        num_warps=RECURRENT_NUM_WARPS,
+    )
+
+
+def emit_module(stages: dict, spec_path: str) -> str:
+    rec: Recurrence = stages["recurrence"]
+    signature_tail = "scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False"
+    signatures = [f"recurrent({_positional(rec)}, {signature_tail}) -> (o, final_state | None)"]
+    sections = [emit_recurrent_section(stages["step"])]
+    inputs_tuple = "(" + "".join(f"({i.name!r}, {i.role.value!r}), " for i in rec.inputs) + ")"
+    return render(
+        "module.py.jinja",
+        spec_name=rec.name,
+        spec_path=spec_path,
+        version=__version__,
+        recurrence_doc=rec.describe(),
+        signatures=signatures,
+        inputs_tuple=inputs_tuple,
+        helpers=HELPERS,
+        sections="\n\n".join(sections),
+    )

@@ -1,0 +1,170 @@
+"""Recurrent (decode) kernel: step program -> Triton, one registered emitter per step op.
+
+Each emitter returns an Emission: `setup` lines run once before the token loop (pointer set-up),
+`lines` go where the op sits (the prologue, or the loop body), `advance` lines move pointers to
+the next token at the end of the body.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.formula import HEAD_INDEX
+from ..ir.recurrence import InputRole
+from ..ir.step import (
+    DecayState,
+    DeltaResidual,
+    Formula,
+    LoadInput,
+    LoadVector,
+    NormalizeL2,
+    PredictValue,
+    ReadOutput,
+    ScaleValue,
+    StepProgram,
+    StoreOutput,
+    WriteState,
+)
+from .emitters import EmitterRegistry
+from .printer import to_triton
+from .templating import indent, render
+
+STEP_EMITTERS = EmitterRegistry("recurrent kernel")
+
+
+@dataclass
+class Emission:
+    lines: list[str]
+    setup: list[str] = field(default_factory=list)
+    advance: list[str] = field(default_factory=list)
+
+
+def formula_names(prog: StepProgram) -> dict[str, str]:
+    names = {i.name: f"b_{i.name}" for i in prog.recurrence.inputs}
+    names["h"] = "f_hv"
+    return names
+
+
+@STEP_EMITTERS.register(LoadVector)
+def _load_vector(op: LoadVector, prog: StepProgram) -> Emission:
+    if op.source == "v":
+        base, stride, mask = "(bos * HV + i_hv) * V + o_v", "HV * V", "m_v"
+    else:
+        base, stride, mask = "(bos * H + i_h) * K + o_k", "H * K", "m_k"
+    p = f"p_{op.source}"
+    return Emission(
+        setup=[f"{p} = {op.source} + {base}"],
+        lines=[f"b_{op.source} = tl.load({p}, mask={mask}, other=0.0).to(tl.float32)"],
+        advance=[f"{p} += {stride}"],
+    )
+
+
+@STEP_EMITTERS.register(LoadInput)
+def _load_input(op: LoadInput, prog: StepProgram) -> Emission:
+    name, p = op.name, f"p_{op.name}"
+    if op.role is InputRole.HEAD:
+        return Emission([f"b_{name} = tl.load({name} + i_hv).to(tl.float32)"])
+    if op.role is InputRole.HEAD_KEY:
+        return Emission([f"b_{name} = tl.load({name} + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)"])
+    if op.role is InputRole.TOKEN:
+        return Emission(
+            setup=[f"{p} = {name} + bos * HV + i_hv"],
+            lines=[f"b_{name} = tl.load({p}).to(tl.float32)"],
+            advance=[f"{p} += HV"],
+        )
+    return Emission(
+        setup=[f"{p} = {name} + (bos * HV + i_hv) * K + o_k"],
+        lines=[f"b_{name} = tl.load({p}, mask=m_k, other=0.0).to(tl.float32)"],
+        advance=[f"{p} += HV * K"],
+    )
+
+
+@STEP_EMITTERS.register(NormalizeL2)
+def _normalize(op: NormalizeL2, prog: StepProgram) -> Emission:
+    x = f"b_{op.target}"
+    return Emission(
+        [
+            "if USE_QK_L2NORM:",
+            f"    {x} = {x} / tl.sqrt(tl.sum({x} * {x}) + 1e-6)",
+        ]
+    )
+
+
+@STEP_EMITTERS.register(Formula)
+def _formula(op: Formula, prog: StepProgram) -> Emission:
+    lines = [f"# {op.target} = {op.expr}"]
+    if HEAD_INDEX in op.expr.free_symbols:
+        lines.append("f_hv = i_hv.to(tl.float32)  # the value-head index h")
+    lines.append(f"{op.target} = {to_triton(op.expr, formula_names(prog))}")
+    return Emission(lines)
+
+
+@STEP_EMITTERS.register(DecayState)
+def _decay(op: DecayState, prog: StepProgram) -> Emission:
+    if op.per_key:
+        return Emission(["# S <- Diag(exp(g_t)) S", "b_s *= tl.exp(g_t)[:, None]"])
+    return Emission(["# S <- exp(g_t) * S", "b_s *= tl.exp(g_t)"])
+
+
+@STEP_EMITTERS.register(PredictValue)
+def _predict(op: PredictValue, prog: StepProgram) -> Emission:
+    return Emission(["# p = S^T k", "b_p = tl.sum(b_s * b_k[:, None], axis=0)"])
+
+
+@STEP_EMITTERS.register(DeltaResidual)
+def _residual(op: DeltaResidual, prog: StepProgram) -> Emission:
+    if op.with_beta:
+        return Emission(["# u = beta_t * (v - p)", "b_u = beta_t * (b_v - b_p)"])
+    return Emission(["# u = v - p", "b_u = b_v - b_p"])
+
+
+@STEP_EMITTERS.register(ScaleValue)
+def _scale_value(op: ScaleValue, prog: StepProgram) -> Emission:
+    if op.with_beta:
+        return Emission(["# u = beta_t * v", "b_u = beta_t * b_v"])
+    return Emission(["# u = v", "b_u = b_v"])
+
+
+@STEP_EMITTERS.register(WriteState)
+def _write(op: WriteState, prog: StepProgram) -> Emission:
+    return Emission(["# S <- S + k u^T", "b_s += b_k[:, None] * b_u[None, :]"])
+
+
+@STEP_EMITTERS.register(ReadOutput)
+def _read(op: ReadOutput, prog: StepProgram) -> Emission:
+    return Emission(["# o = scale * S^T q", "b_o = scale * tl.sum(b_s * b_q[:, None], axis=0)"])
+
+
+@STEP_EMITTERS.register(StoreOutput)
+def _store(op: StoreOutput, prog: StepProgram) -> Emission:
+    return Emission(
+        setup=["p_o = o + (bos * HV + i_hv) * V + o_v"],
+        lines=["tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)"],
+        advance=["p_o += HV * V"],
+    )
+
+
+def kernel_name(prog: StepProgram) -> str:
+    return f"{prog.recurrence.name}_recurrent_fwd_kernel"
+
+
+def emit_recurrent_kernel(prog: StepProgram) -> str:
+    setup: list[str] = []
+    body: list[str] = []
+    advance: list[str] = []
+    for op in prog.prologue:
+        emission = STEP_EMITTERS.emit(op, prog)
+        setup += emission.setup + emission.lines
+    for op in prog.body:
+        emission = STEP_EMITTERS.emit(op, prog)
+        setup += emission.setup
+        body += emission.lines
+        advance += emission.advance
+    return render(
+        "recurrent.py.jinja",
+        kernel_name=kernel_name(prog),
+        spec_name=prog.recurrence.name,
+        input_names=[i.name for i in prog.recurrence.inputs],
+        setup=indent(["# pointers to the first token of this sequence, per-head inputs"] + setup, 4),
+        body=indent(body, 8),
+        advance=indent(["# next token"] + advance, 8),
+    )

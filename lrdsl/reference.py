@@ -1,0 +1,138 @@
+"""The float64 oracle: any recurrence, token by token, exactly as DESIGN.md section 1 writes it.
+
+It is the reference of every numeric test, so it is written to be read, not to be fast: GVA by
+repeating q/k, one Python loop over tokens, one einsum per term. It is differentiable (no
+in-place updates), so gradient tests take autograd through it.
+
+    import lrdsl.reference
+    o, ht = lrdsl.reference.run(rec_or_spec_path, q, k, v, *inputs, scale=None, initial_state=None,
+                                output_final_state=False, cu_seqlens=None,
+                                use_qk_l2norm_in_kernel=False)
+
+`o` is float64 [B, T, HV, V]; `ht` float64 [N, HV, K, V] or None.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import sympy
+import torch
+import torch.nn.functional as F
+
+from .ir.formula import HEAD_INDEX
+from .ir.recurrence import GateKind, InputRole, Recurrence
+
+_TORCH_FUNCTIONS = {
+    "exp": torch.exp,
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "tanh": torch.tanh,
+    "softplus": F.softplus,
+    "sigmoid": torch.sigmoid,
+    "logsigmoid": F.logsigmoid,
+}
+
+
+def _as_recurrence(rec) -> Recurrence:
+    if isinstance(rec, Recurrence):
+        return rec
+    from .passes.pipeline import run_pipeline
+    from .spec import load_spec
+
+    return run_pipeline(load_spec(Path(rec)), until="recurrence")["recurrence"]
+
+
+def evaluate_formula(expr, named: dict[str, torch.Tensor], roles: dict[str, InputRole], HV: int, per_key: bool):
+    """Evaluate a formula in float64, broadcasting every input to [B, T, HV] (or [B, T, HV, K])."""
+    symbols = sorted(expr.free_symbols, key=str)
+    values = []
+    for s in symbols:
+        if s == HEAD_INDEX:
+            x = torch.arange(HV, dtype=torch.float64).view(1, 1, HV)
+        else:
+            x = named[str(s)].to(torch.float64)
+            role = roles[str(s)]
+            if role is InputRole.HEAD:
+                x = x.view(1, 1, HV)
+            elif role is InputRole.HEAD_KEY:
+                x = x.view(1, 1, HV, -1)
+        if per_key and x.dim() == 3:
+            x = x.unsqueeze(-1)
+        values.append(x)
+    fn = sympy.lambdify(symbols, expr, modules=[_TORCH_FUNCTIONS, "math"])
+    out = fn(*values)
+    return out if isinstance(out, torch.Tensor) else torch.tensor(float(out), dtype=torch.float64)
+
+
+def run(
+    rec,
+    q,
+    k,
+    v,
+    *inputs,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm_in_kernel=False,
+):
+    rec = _as_recurrence(rec)
+    if len(inputs) != len(rec.inputs):
+        names = ", ".join(i.name for i in rec.inputs)
+        raise TypeError(f"{rec.name} takes q, k, v{', ' if names else ''}{names}: got {3 + len(inputs)} tensors")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K**-0.5 if scale is None else scale
+
+    # GVA: value head h reads key head h // (HV / H). The oracle repeats; kernels index.
+    q = q.to(torch.float64).repeat_interleave(HV // H, dim=2)
+    k = k.to(torch.float64).repeat_interleave(HV // H, dim=2)
+    v = v.to(torch.float64)
+    if use_qk_l2norm_in_kernel:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+
+    named = {i.name: x for i, x in zip(rec.inputs, inputs)}
+    roles = {i.name: i.role for i in rec.inputs}
+    per_key = rec.gate is GateKind.KEY_CHANNEL
+    if rec.has_gate:
+        g = evaluate_formula(rec.log_decay, named, roles, HV, per_key)
+        g = g.expand(B, T, HV, K) if per_key else g.expand(B, T, HV)
+    if rec.has_beta:
+        beta = evaluate_formula(rec.beta, named, roles, HV, per_key=False).expand(B, T, HV)
+
+    if cu_seqlens is None:
+        sequences = [(b, 0, T) for b in range(B)]
+    else:
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        sequences = [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
+
+    outputs, finals = [], []
+    for n, (b, bos, eos) in enumerate(sequences):
+        if initial_state is not None:
+            S = initial_state[n].to(torch.float64)
+        else:
+            S = torch.zeros(HV, K, V, dtype=torch.float64)
+        for t in range(bos, eos):
+            if rec.gate is GateKind.KEY_CHANNEL:
+                S = torch.exp(g[b, t])[:, :, None] * S  # Diag(exp(g_t)) S
+            elif rec.has_gate:
+                S = torch.exp(g[b, t])[:, None, None] * S  # exp(g_t) S
+            if rec.is_delta:
+                prediction = torch.einsum("hkv,hk->hv", S, k[b, t])  # S'^T k_t
+                u = v[b, t] - prediction
+            else:
+                u = v[b, t]
+            if rec.has_beta:
+                u = beta[b, t][:, None] * u
+            S = S + torch.einsum("hk,hv->hkv", k[b, t], u)  # S_t = S' + k_t u_t^T
+            outputs.append(scale * torch.einsum("hkv,hk->hv", S, q[b, t]))  # o_t = scale S_t^T q_t
+        finals.append(S)
+
+    if outputs:
+        o = torch.stack(outputs).view(len(outputs), HV, V)
+    else:
+        o = torch.zeros(0, HV, V, dtype=torch.float64)
+    o = o.reshape(B, T, HV, V)
+    ht = torch.stack(finals) if output_final_state else None
+    return o, ht

@@ -1,0 +1,64 @@
+"""Compile a spec into a module and import it: `lrdsl.load(path)`.
+
+Generated modules live in the cache directory (config.cache_dir()), named by spec and key, and
+are imported from there: Triton needs a real file to read kernel sources from.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from .. import config
+from ..codegen.module import emit_module
+from ..errors import LrdslError
+from ..passes.pipeline import run_pipeline
+from ..spec import load_spec
+from .cache import atomic_write, cache_key
+
+KNOWN_OPTIONS: dict[str, object] = {}
+
+_loaded: dict[str, object] = {}
+
+
+def _check_options(options: dict) -> dict:
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        known = ", ".join(sorted(KNOWN_OPTIONS)) or "none"
+        raise LrdslError(f"unknown option {unknown[0]!r} (known options: {known})")
+    return {**KNOWN_OPTIONS, **options}
+
+
+def generate(path, **options) -> tuple[str, dict]:
+    """Run the pipeline on the spec at `path` and emit the module source. Returns (source, stages)."""
+    _check_options(options)
+    stages = run_pipeline(load_spec(path))
+    return emit_module(stages, spec_path=str(path)), stages
+
+
+def load(path, **options):
+    options = _check_options(options)
+    spec = load_spec(path)
+    stages = run_pipeline(spec)
+    key = cache_key(stages["recurrence"].fingerprint(), options)
+    if key in _loaded:
+        return _loaded[key]
+    name = stages["recurrence"].name
+    file = config.cache_dir() / f"{name}_{key[:20]}.py"
+    if not file.exists():
+        source = emit_module(stages, spec_path=str(path))
+        atomic_write(file, source)
+        dump = config.dump_dir()
+        if dump is not None:
+            atomic_write(Path(dump) / file.name, source)
+    module = import_file(file, f"lrdsl_generated_{name}_{key[:20]}")
+    _loaded[key] = module
+    return module
+
+
+def import_file(file: Path, module_name: str):
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # Triton resolves kernel globals through the module
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,93 @@
+"""Random inputs for any recurrence, and the error measure every check uses.
+
+Used by `lrdsl check`, `lrdsl demo`, the benchmarks and the tests, so all of them exercise the
+kernels on the same kind of data: fresh random tensors, never zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.nn.functional as F
+
+from .ir.recurrence import InputRole, Recurrence
+
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 8e-3, torch.bfloat16: 8e-3}
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+
+    def __str__(self) -> str:
+        return f"B={self.B} T={self.T} H={self.H} HV={self.HV} K={self.K} V={self.V}"
+
+
+def make_inputs(
+    rec: Recurrence,
+    shape: Shape,
+    dtype=torch.float32,
+    device="cpu",
+    generator: torch.Generator | None = None,
+    normalize_keys: bool | None = None,
+    gate_low: float = -0.5,
+):
+    """q, k, v and the spec's inputs, as a list in positional order.
+
+    Keys are unit-normalised for delta rules (unless told otherwise) so the recurrence stays
+    stable without in-kernel L2 norm. An input that *is* the log-decay (formula `g`) is drawn in
+    [gate_low, 0]; one that *is* beta in (0, 1); inputs of other formulas are standard normal.
+    """
+    B, T, H, HV, K, V = shape.B, shape.T, shape.H, shape.HV, shape.K, shape.V
+
+    def randn(*size):
+        return torch.randn(*size, generator=generator, dtype=torch.float32)
+
+    def rand(*size):
+        return torch.rand(*size, generator=generator, dtype=torch.float32)
+
+    if normalize_keys is None:
+        normalize_keys = rec.is_delta
+    q = randn(B, T, H, K)
+    k = randn(B, T, H, K)
+    if normalize_keys:
+        k = F.normalize(k, dim=-1)
+    v = randn(B, T, HV, V)
+    sizes = {"B": B, "T": T, "HV": HV, "K": K}
+    extras = []
+    for inp in rec.inputs:
+        size = [sizes[d] for d in inp.role.shape]
+        symbol = sympy.Symbol(inp.name)
+        if rec.log_decay == symbol:
+            x = gate_low * rand(*size)
+        elif rec.beta == symbol:
+            x = rand(*size)
+        else:
+            x = randn(*size)
+        extras.append(x)
+    tensors = [q.to(dtype), k.to(dtype), v.to(dtype)]
+    # gates and per-head parameters stay fp32, as callers pass them
+    tensors += [x if inp.role in (InputRole.HEAD, InputRole.HEAD_KEY) or inp.name in _gate_names(rec) else x.to(dtype)
+                for inp, x in zip(rec.inputs, extras)]
+    return [t.to(device) for t in tensors]
+
+
+def _gate_names(rec: Recurrence) -> set[str]:
+    return {i.name for i in rec.formula_inputs(rec.log_decay)}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when out has NaN or Inf (so it never passes)."""
+    out = out.detach().to("cpu", torch.float64)
+    ref = ref.detach().to("cpu", torch.float64)
+    if not torch.isfinite(out).all():
+        return float("inf")
+    denominator = ref.norm().item()
+    difference = (out - ref).norm().item()
+    return difference / denominator if denominator > 0 else difference
