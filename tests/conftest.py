@@ -1,0 +1,61 @@
+"""Test set-up: the Triton interpreter when there is no GPU, a private module cache, fresh seeds."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+# Modules must be loaded after this: Triton reads TRITON_INTERPRET when kernels are decorated.
+from lrdsl import config
+
+INTERPRETED = config.use_interpreter_without_gpu()
+HAS_GPU = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = ROOT / "specs"
+
+os.environ.setdefault("LRDSL_CACHE_DIR", tempfile.mkdtemp(prefix="lrdsl-test-cache-"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def generator(request):
+    """A fresh random seed per test, printed so a failure can be replayed."""
+    seed = int(torch.seed() % 2**31)
+    print(f"[seed {seed}]")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="session")
+def device():
+    return "cuda" if HAS_GPU else "cpu"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/* from the current output")
+
+
+@pytest.fixture
+def golden(request):
+    """golden(name, text): compare `text` with tests/golden/<name> (or rewrite it with --update-golden)."""
+    update = request.config.getoption("--update-golden")
+
+    def check(name: str, text: str):
+        path = Path(__file__).parent / "golden" / name
+        if update or not path.exists():
+            if not update:
+                pytest.fail(f"golden file {path} is missing: run pytest --update-golden and review it")
+            path.write_text(text)
+        assert text == path.read_text(), f"output differs from golden {path.name} (pytest --update-golden after review)"
+
+    return check

@@ -1,0 +1,118 @@
+"""Shared helpers of the numeric tests: specs, inputs with controlled gates/beta, comparisons."""
+from __future__ import annotations
+
+import sympy
+import torch
+
+import lrdsl
+from lrdsl import reference
+from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.spec import load_spec
+from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+
+from conftest import SPECS
+
+CORE_SPECS = ("gdn", "deltanet", "simple_gla", "linear_attn")
+ALL_SPECS = tuple(sorted(p.stem for p in SPECS.glob("*.toml")))
+
+
+def spec_path(name: str) -> str:
+    return str(SPECS / f"{name}.toml")
+
+
+def recurrence(name: str):
+    return run_pipeline(load_spec(spec_path(name)), until="recurrence")["recurrence"]
+
+
+def module(name: str):
+    return lrdsl.load(spec_path(name))
+
+
+def direct_input(rec, formula):
+    """The input a formula merely names (formula `g` -> input g), else None."""
+    if formula is not None and isinstance(formula, sympy.Symbol):
+        return str(formula)
+    return None
+
+
+def sample(rec, shape: Shape, dtype, generator, gate=None, beta=None, normalize_keys=None):
+    """make_inputs, then optionally force the gate input (a value, or 'half' = half -30, half 0)
+    and the beta input to extremes."""
+    tensors = make_inputs(rec, shape, dtype=dtype, generator=generator, normalize_keys=normalize_keys)
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    gate_name, beta_name = direct_input(rec, rec.log_decay), direct_input(rec, rec.beta)
+    if gate is not None:
+        index = names.index(gate_name)
+        g = tensors[index]
+        if gate == "half":
+            mask = torch.rand(g.shape, generator=generator) < 0.5
+            forced = torch.where(mask, torch.full_like(g, -30.0), torch.zeros_like(g))
+        else:
+            forced = torch.full_like(g, float(gate))
+        tensors[index] = forced
+    if beta is not None:
+        index = names.index(beta_name)
+        tensors[index] = torch.full_like(tensors[index], float(beta))
+    return tensors
+
+
+def run_both(mod, rec, kernel, tensors, device, **kwargs):
+    """Run `mod.<kernel>` on `device` and the oracle on the CPU; returns ((o, ht), (ref_o, ref_ht))."""
+    fn = getattr(mod, kernel)
+    dev = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    out = fn(*[t.to(device) for t in tensors], **dev)
+    ref = reference.run(rec, *tensors, **kwargs)
+    return out, ref
+
+
+def assert_close(out, ref, dtype, what: str, limit: float | None = None):
+    limit = TOLERANCE[dtype] if limit is None else limit
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    err = relative_error(out, ref)
+    assert err <= limit, f"{what}: relative error {err:.3e} > {limit:.0e}"
+    return err
+
+
+# The shape list of DESIGN.md section 6, shared by the recurrent and chunk tests.
+# Each case: shape (B, T, H, HV, K, V), dtype, and options of the call.
+SHAPE_CASES = {
+    "T1": dict(shape=Shape(2, 1, 2, 2, 24, 48), dtype=torch.float32),
+    "odd_T_gva3_fp16": dict(shape=Shape(1, 13, 1, 3, 48, 80), dtype=torch.float16),
+    "K80_V24_gva4_l2norm": dict(shape=Shape(1, 9, 1, 4, 80, 24), dtype=torch.float32, l2norm=True),
+    "gva2_h0_scale": dict(shape=Shape(2, 21, 2, 4, 24, 24), dtype=torch.float32, h0=True, scale=0.3),
+    "gva1_h0_fp16": dict(shape=Shape(1, 17, 2, 2, 32, 32), dtype=torch.float16, h0=True),
+    "varlen_empty_len1": dict(shape=Shape(1, 20, 2, 4, 24, 40), dtype=torch.float32, h0=True, bounds=[0, 0, 1, 7, 7, 20]),
+    "varlen_fp16": dict(shape=Shape(1, 19, 1, 2, 48, 24), dtype=torch.float16, bounds=[0, 1, 1, 19], l2norm=True),
+    "no_final_state": dict(shape=Shape(1, 6, 1, 1, 16, 16), dtype=torch.float32, final=False),
+}
+GATE_EXTREMES = (0.0, -1e-6, -30.0, "half")
+BETA_EXTREMES = (0.0, 1.0)
+
+
+def run_case(mod, rec, kernel, case: dict, generator, device, gate=None, beta=None, **extra_kwargs):
+    """Run one case through `mod.<kernel>` and the oracle; assert o and the final state are close."""
+    shape, dtype = case["shape"], case["dtype"]
+    bounds = case.get("bounds")
+    N = len(bounds) - 1 if bounds else shape.B
+    tensors = sample(rec, shape, dtype, generator, gate=gate, beta=beta)
+    h0 = torch.randn(N, shape.HV, shape.K, shape.V, generator=generator) if case.get("h0") else None
+    final = case.get("final", True)
+    kwargs = dict(
+        scale=case.get("scale"),
+        initial_state=h0,
+        output_final_state=final,
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32) if bounds else None,
+        use_qk_l2norm_in_kernel=case.get("l2norm", False),
+    )
+    fn = getattr(mod, kernel)
+    dev_kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    o, ht = fn(*[t.to(device) for t in tensors], **dev_kwargs, **extra_kwargs)
+    ref_o, ref_ht = reference.run(rec, *tensors, **kwargs)
+    assert o.dtype == tensors[2].dtype, "o comes back in v's dtype"
+    errors = {"o": assert_close(o, ref_o, dtype, f"{rec.name}.{kernel} o")}
+    if final:
+        assert ht.dtype == torch.float32
+        errors["ht"] = assert_close(ht, ref_ht, dtype, f"{rec.name}.{kernel} final state")
+    else:
+        assert ht is None
+    return errors

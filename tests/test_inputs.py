@@ -1,0 +1,115 @@
+"""Bad tensors at call time: one clear InputError naming the tensor and the expected shape."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrdsl.workloads import Shape, make_inputs
+
+from helpers import module, recurrence
+
+SHAPE = Shape(1, 5, 2, 4, 8, 8)
+
+
+@pytest.fixture
+def gdn(generator):
+    rec = recurrence("gdn")
+    return module("gdn"), make_inputs(rec, SHAPE, generator=generator)
+
+
+def call_error(mod, *args, **kwargs) -> str:
+    with pytest.raises(mod.InputError) as info:
+        mod.recurrent(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("gdn.recurrent: ")
+    return message
+
+
+def test_wrong_rank(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    assert "q must be [B, T, H, K], got [5, 2, 8]" in call_error(mod, q[0], k, v, g, beta)
+
+
+def test_k_shape_differs(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    assert "k must be [B, T, H, K] = [1, 5, 2, 8] like q, got [1, 5, 2, 4]" in call_error(mod, q, k[..., :4], v, g, beta)
+
+
+def test_v_length_differs(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    assert "v must be [B, T, HV, V] with B=1, T=5" in call_error(mod, q, k, v[:, :4], g, beta)
+
+
+def test_value_heads_not_a_multiple(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    message = call_error(mod, q, k, v[:, :, :3], g[..., :3], beta[..., :3])
+    assert "HV=3 must be a positive multiple of the key heads H=2" in message
+
+
+def test_gate_shape(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    assert "g must be [B, T, HV] = [1, 5, 4], got [1, 5, 2]" in call_error(mod, q, k, v, g[..., :2], beta)
+
+
+def test_batch_with_cu_seqlens(generator):
+    rec = recurrence("gdn")
+    q, k, v, g, beta = make_inputs(rec, Shape(2, 5, 2, 4, 8, 8), generator=generator)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    message = call_error(module("gdn"), q, k, v, g, beta, cu_seqlens=cu)
+    assert "with cu_seqlens the batch must be 1" in message and "B=2" in message
+
+
+def test_cu_seqlens_dtype(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    message = call_error(mod, q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 5.0]))
+    assert "cu_seqlens must be int32 or int64" in message
+
+
+def test_cu_seqlens_values(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    message = call_error(mod, q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 3, 5]))
+    assert "cu_seqlens must rise from 0 to T=5" in message
+
+
+def test_initial_state_shape(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    message = call_error(mod, q, k, v, g, beta, initial_state=torch.zeros(1, 4, 8, 7))
+    assert "initial_state must be [N, HV, K, V] = [1, 4, 8, 8], got [1, 4, 8, 7]" in message
+
+
+def test_different_devices(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    message = call_error(mod, q, k, v, g.to("meta"), beta)
+    assert "g is on meta but q is on cpu" in message
+
+
+def test_integer_dtype(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    assert "v must be float32, float16 or bfloat16, got torch.int64" in call_error(mod, q, k, v.long(), g, beta)
+
+
+def test_mixed_qkv_dtypes(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    assert "q, k, v must share one dtype" in call_error(mod, q, k.half(), v, g, beta)
+
+
+def test_not_a_tensor(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    assert "beta must be a torch.Tensor, got list" in call_error(mod, q, k, v, g, [0.5])
+
+
+def test_bad_scale(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    assert "scale must be a finite number" in call_error(mod, q, k, v, g, beta, scale=float("nan"))
+
+
+def test_head_dim_too_large(generator):
+    rec = recurrence("gdn")
+    q, k, v, g, beta = make_inputs(rec, Shape(1, 2, 1, 1, 300, 8), generator=generator)
+    assert "head dims K=300, V=8 must lie in 1..256" in call_error(module("gdn"), q, k, v, g, beta)
+
+
+def test_missing_positional_argument(gdn):
+    mod, (q, k, v, g, beta) = gdn
+    with pytest.raises(TypeError, match="beta"):
+        mod.recurrent(q, k, v, g)

@@ -1,0 +1,116 @@
+"""IR passes: golden dumps, the verifier after every pass, and the verifier catching broken IR."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import sympy
+
+from lrdsl.errors import IRError
+from lrdsl.ir.recurrence import GateKind
+from lrdsl.ir.step import DecayState, Formula, ReadOutput, WriteState
+from lrdsl.passes.derive_step import derive_step
+from lrdsl.passes.pipeline import PASSES, STAGES, run_pipeline
+from lrdsl.passes.verify import verify
+from lrdsl.spec import load_spec
+
+from helpers import ALL_SPECS, recurrence, spec_path
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_every_pass_verifies(name):
+    stages = run_pipeline(load_spec(spec_path(name)), check=True)
+    assert set(stages) == set(STAGES)
+
+
+def test_pipeline_lists_each_pass_with_a_reason():
+    assert all(p.why for p in PASSES)
+    assert [p.name for p in PASSES] == list(STAGES[1:])
+
+
+@pytest.mark.parametrize("stage", ["recurrence", "step"])
+def test_gdn_golden_dumps(stage, golden):
+    text = run_pipeline(load_spec(spec_path("gdn")), until=stage)[stage].describe() + "\n"
+    golden(f"gdn.{stage}.txt", text)
+
+
+def test_qwen35_step_hoists_head_inputs(golden):
+    step = run_pipeline(load_spec(spec_path("gdn_qwen35")), until="step")["step"]
+    golden("gdn_qwen35.step.txt", step.describe() + "\n")
+    assert [op.name for op in step.prologue] == ["A_log", "dt_bias"]
+
+
+def test_constant_gate_formula_is_loop_invariant():
+    step = derive_step(recurrence("retnet"))
+    assert any(isinstance(op, Formula) and op.target == "g_t" for op in step.prologue)
+    assert not any(isinstance(op, Formula) for op in step.body)
+
+
+def test_pipeline_stops_at_requested_stage():
+    stages = run_pipeline(load_spec(spec_path("gdn")), until="recurrence")
+    assert set(stages) == {"spec", "recurrence"}
+
+
+def test_unknown_stage():
+    with pytest.raises(ValueError, match="unknown stage 'chunky'"):
+        run_pipeline(load_spec(spec_path("gdn")), until="chunky")
+
+
+# -- the verifier catches broken IR -----------------------------------------------------------
+
+def test_verify_catches_missing_state_write():
+    step = derive_step(recurrence("gdn"))
+    broken = dataclasses.replace(step, body=tuple(op for op in step.body if not isinstance(op, WriteState)))
+    with pytest.raises(IRError, match="write the state exactly once"):
+        verify(broken)
+
+
+def test_verify_catches_read_before_write():
+    step = derive_step(recurrence("gdn"))
+    body = list(step.body)
+    read = next(op for op in body if isinstance(op, ReadOutput))
+    body.remove(read)
+    body.insert(body.index(next(op for op in body if isinstance(op, WriteState))), read)
+    with pytest.raises(IRError, match="reads the state after the write"):
+        verify(dataclasses.replace(step, body=tuple(body)))
+
+
+def test_verify_catches_use_before_definition():
+    step = derive_step(recurrence("gdn"))
+    body = [op for op in step.body if not (isinstance(op, Formula) and op.target == "g_t")]
+    with pytest.raises(IRError, match=r"DecayState reads \['g_t'\] before any definition"):
+        verify(dataclasses.replace(step, body=tuple(body)))
+
+
+def test_verify_catches_decay_without_gate():
+    step = derive_step(recurrence("deltanet"))
+    body = (Formula("g_t", sympy.Integer(0), per_key=False), DecayState(per_key=False)) + step.body
+    with pytest.raises(IRError, match="decay op belongs in the body exactly when gated"):
+        verify(dataclasses.replace(step, body=body))
+
+
+def test_verify_catches_gate_without_formula():
+    rec = recurrence("gdn")
+    with pytest.raises(IRError, match="log_decay must be set exactly when gated"):
+        verify(dataclasses.replace(rec, log_decay=None))
+
+
+def test_verify_catches_undeclared_symbol():
+    rec = recurrence("gdn")
+    with pytest.raises(IRError, match="reads undeclared"):
+        verify(dataclasses.replace(rec, beta=sympy.Symbol("mystery")))
+
+
+def test_verify_catches_constant_gate_reading_tokens():
+    rec = recurrence("gdn")
+    with pytest.raises(IRError, match="constant gate may not read per-token inputs"):
+        verify(dataclasses.replace(rec, gate=GateKind.CONSTANT))
+
+
+def test_ir_nodes_are_frozen_and_hashable():
+    rec = recurrence("gdn_qwen35")
+    step = derive_step(rec)
+    assert hash(rec) == hash(recurrence("gdn_qwen35"))
+    assert hash(step) == hash(derive_step(rec))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.name = "other"
