@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   compile specs/gdn.toml, run its kernels against the float64 oracle, print errors and times
+#   make test   run the test suite
+# Both create .venv and install lrdsl with its dependencies first (CPU machines get torch 2.13.0 and
+# triton 3.6.0; without a GPU the kernels run on Triton's CPU interpreter).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "triton==3.6.0"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/lrdsl demo specs/gdn.toml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis
