@@ -15,23 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import sympy
 import torch
-import torch.nn.functional as F
 
-from .ir.formula import HEAD_INDEX
+from .ir.formula import HEAD_INDEX, torch_function
 from .ir.recurrence import GateKind, InputRole, Recurrence
-
-_TORCH_FUNCTIONS = {
-    "exp": torch.exp,
-    "log": torch.log,
-    "sqrt": torch.sqrt,
-    "tanh": torch.tanh,
-    "softplus": F.softplus,
-    "sigmoid": torch.sigmoid,
-    "logsigmoid": F.logsigmoid,
-}
-
 
 def _as_recurrence(rec) -> Recurrence:
     if isinstance(rec, Recurrence):
@@ -44,7 +31,7 @@ def _as_recurrence(rec) -> Recurrence:
 
 def evaluate_formula(expr, named: dict[str, torch.Tensor], roles: dict[str, InputRole], HV: int, per_key: bool):
     """Evaluate a formula in float64, broadcasting every input to [B, T, HV] (or [B, T, HV, K])."""
-    symbols = sorted(expr.free_symbols, key=str)
+    symbols, fn = torch_function(expr)
     values = []
     for s in symbols:
         if s == HEAD_INDEX:
@@ -59,9 +46,7 @@ def evaluate_formula(expr, named: dict[str, torch.Tensor], roles: dict[str, Inpu
         if per_key and x.dim() == 3:
             x = x.unsqueeze(-1)
         values.append(x)
-    fn = sympy.lambdify(symbols, expr, modules=[_TORCH_FUNCTIONS, "math"])
-    out = fn(*values)
-    return out if isinstance(out, torch.Tensor) else torch.tensor(float(out), dtype=torch.float64)
+    return fn(*values)
 
 
 def run(

@@ -6,8 +6,10 @@ caches and imports it.
 from __future__ import annotations
 
 from .. import __version__
+from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence
 from ..ir.step import StepProgram
+from .chunk import emit_chunk_section
 from .printer import HELPERS
 from .recurrent import emit_recurrent_kernel, kernel_name
 from .templating import render
@@ -23,7 +25,7 @@ def _positional(rec: Recurrence) -> str:
 
 def _extras_tuple(rec: Recurrence) -> str:
     names = [i.name for i in rec.inputs]
-    return "".join(f"{n}, " for n in names)
+    return ", ".join(names) + ("," if len(names) == 1 else "")
 
 
 def emit_recurrent_section(step: StepProgram) -> str:
@@ -45,6 +47,16 @@ def emit_module(stages: dict, spec_path: str) -> str:
     signature_tail = "scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False"
     signatures = [f"recurrent({_positional(rec)}, {signature_tail}) -> (o, final_state | None)"]
     sections = [emit_recurrent_section(stages["step"])]
+    plans = stages["plan"]
+    if isinstance(plans, NoChunkForm):
+        signatures.append(f"chunk: not generated ({plans.reason})")
+    else:
+        signatures.append(
+            f"chunk({_positional(rec)}, {signature_tail}, chunk_size=64, plan=None, chunk_indices=None)"
+            " -> (o, final_state | None)"
+        )
+        signatures.append("prepare_varlen(cu_seqlens, chunk_size=64) -> (chunk_indices, chunk_offsets)")
+        sections.append(emit_chunk_section(plans, _positional(rec), _extras_tuple(rec)))
     inputs_tuple = "(" + "".join(f"({i.name!r}, {i.role.value!r}), " for i in rec.inputs) + ")"
     return render(
         "module.py.jinja",

@@ -100,3 +100,31 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
 
 def symbols_of(expr: sympy.Expr) -> frozenset[str]:
     return frozenset(str(s) for s in expr.free_symbols)
+
+
+def torch_function(expr: sympy.Expr):
+    """(symbols, fn): `fn(*tensors)` evaluates `expr` with torch ops, float64 constants folded.
+
+    Used by the float64 oracle and the chunk-program evaluator, never by generated code.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    functions = {
+        "exp": torch.exp,
+        "log": torch.log,
+        "sqrt": torch.sqrt,
+        "tanh": torch.tanh,
+        "softplus": F.softplus,
+        "sigmoid": torch.sigmoid,
+        "logsigmoid": F.logsigmoid,
+    }
+    symbols = sorted(expr.free_symbols, key=str)
+    folded = expr.evalf(20) if expr.free_symbols else sympy.Float(expr.evalf(20))
+    fn = sympy.lambdify(symbols, folded, modules=[functions, "math"])
+
+    def evaluate(*values):
+        out = fn(*values)
+        return out if isinstance(out, torch.Tensor) else torch.tensor(float(out), dtype=torch.float64)
+
+    return symbols, evaluate

@@ -9,7 +9,10 @@ from typing import Callable
 
 from ..spec import Spec
 from .canonicalize import canonicalize
+from .derive_chunk import derive_chunk
 from .derive_step import derive_step
+from .plan import plan_kernels
+from .stage_graph import build_stage_graph
 from .verify import verify
 
 
@@ -24,6 +27,9 @@ class Pass:
 PASSES: tuple[Pass, ...] = (
     Pass("recurrence", "spec", canonicalize, "first: every later pass reads the strict IR, never the forgiving spec"),
     Pass("step", "recurrence", derive_step, "the recurrent kernel needs only the recurrence, so it is lowered straight from it"),
+    Pass("chunk", "recurrence", derive_chunk, "the chunkwise form also follows from the recurrence alone"),
+    Pass("stages", "chunk", build_stage_graph, "phases need the whole chunk program: what reads the entry state, what leads to the exit"),
+    Pass("plan", "stages", plan_kernels, "grouping into kernels needs the phases and which values are costly to recompute"),
 )
 
 STAGES: tuple[str, ...] = ("spec",) + tuple(p.name for p in PASSES)

@@ -5,6 +5,21 @@ A failure is an IRError: it means a pass (or a hand-built IR) is wrong, not the 
 from __future__ import annotations
 
 from ..errors import IRError
+from ..ir.chunk import (
+    Broadcast,
+    ChunkProgram,
+    Cumsum,
+    DecayMatrix,
+    Formula as ChunkFormula,
+    LastRow,
+    Load,
+    Mask,
+    MaskRows,
+    MatMul,
+    Normalize,
+    StateIn,
+    UnitLowerInverse,
+)
 from ..ir.formula import HEAD_INDEX
 from ..ir.recurrence import GateKind, Recurrence
 from ..ir.step import DecayState, DeltaResidual, Formula, PredictValue, ReadOutput, ScaleValue, StepProgram, WriteState
@@ -80,3 +95,80 @@ def verify_step_program(prog: StepProgram) -> None:
     for op in list(prog.prologue) + list(prog.body):
         if isinstance(op, Formula) and op.target == "g_t":
             _require(op.per_key == (rec.gate is GateKind.KEY_CHANNEL), f"{rec.name}: g_t shape disagrees with the gate kind")
+
+
+# -- chunk programs ----------------------------------------------------------------------------
+
+_LOAD_SHAPES = {"q": ("C", "K"), "k": ("C", "K"), "v": ("C", "V"), "scale": (), "h": ()}
+_INPUT_SHAPES = {"token": ("C",), "token_key": ("C", "K"), "head": (), "head_key": ("K",)}
+
+
+def _matmul_shape(op: MatMul, shapes) -> tuple | None:
+    a, b = shapes[op.a], shapes[op.b]
+    if len(a) != 2 or len(b) != 2:
+        return None
+    a = a[::-1] if op.transpose_a else a
+    b = b[::-1] if op.transpose_b else b
+    return (a[0], b[1]) if a[1] == b[0] else None
+
+
+def _expected_shape(op, shapes, rec) -> tuple | None:
+    """The shape an op must have given its inputs, or None where any shape is fine."""
+    if isinstance(op, Load):
+        if op.source in _LOAD_SHAPES:
+            return _LOAD_SHAPES[op.source]
+        return _INPUT_SHAPES[rec.input(op.source).role.value]
+    if isinstance(op, StateIn):
+        return ("K", "V")
+    if isinstance(op, (Normalize, MaskRows, Cumsum, Mask)):
+        return shapes[op.x]
+    if isinstance(op, LastRow):
+        return shapes[op.x][1:]
+    if isinstance(op, DecayMatrix):
+        return ("C", "C")
+    if isinstance(op, MatMul):
+        return _matmul_shape(op, shapes)
+    if isinstance(op, UnitLowerInverse):
+        return ("C", "C")
+    return None
+
+
+@verifies(ChunkProgram)
+def verify_chunk_program(prog: ChunkProgram) -> None:
+    rec = prog.recurrence
+    verify_recurrence(rec)
+    shapes: dict[str, tuple] = {}
+    for index, op in enumerate(prog.ops):
+        where = f"{rec.name} chunk op {index} ({op.out} = {op.describe()})"
+        _require(op.out not in shapes, f"{where}: {op.out} is defined twice")
+        missing = [a for a in op.args() if a not in shapes]
+        _require(not missing, f"{where}: reads {missing} before any definition")
+        _require(all(axis in ("C", "K", "V") for axis in op.shape), f"{where}: unknown axis in {op.shape}")
+        expected = _expected_shape(op, shapes, rec)
+        if isinstance(op, MatMul):
+            _require(expected is not None, f"{where}: operand shapes {shapes[op.a]}, {shapes[op.b]} do not contract")
+        if expected is not None:
+            _require(op.shape == expected, f"{where}: shape {op.shape}, expected {expected}")
+        if isinstance(op, ChunkFormula):
+            bad = [a for a in op.args() if shapes[a] not in ((), op.shape)]
+            _require(not bad, f"{where}: elementwise over {bad} whose shapes differ from {op.shape}")
+        if isinstance(op, Broadcast):
+            source = shapes[op.x]
+            _require(
+                source == () or (source == ("C",) and op.shape[:1] == ("C",)) or (len(source) == 1 and op.shape[1:] == source),
+                f"{where}: cannot broadcast {source} to {op.shape}",
+            )
+        if isinstance(op, (DecayMatrix, Cumsum)):
+            _require(shapes[op.x][:1] == ("C",), f"{where}: needs a per-row value, got {shapes[op.x]}")
+        if isinstance(op, (Mask, UnitLowerInverse)):
+            arg = op.x if isinstance(op, Mask) else op.a
+            _require(shapes[arg] == ("C", "C"), f"{where}: needs a C x C matrix")
+        shapes[op.out] = op.shape
+    kinds = [type(op) for op in prog.ops]
+    _require(kinds.count(StateIn) == 1, f"{rec.name}: a chunk program has exactly one entry state")
+    roles = dict(prog.outputs)
+    _require(set(roles) == {"o", "state"}, f"{rec.name}: outputs must be o and state, got {sorted(roles)}")
+    _require(shapes.get(roles.get("o")) == ("C", "V"), f"{rec.name}: the output o must be C x V")
+    _require(shapes.get(roles.get("state")) == ("K", "V"), f"{rec.name}: the exit state must be K x V")
+    _require((UnitLowerInverse in kinds) == rec.is_delta, f"{rec.name}: a triangular system belongs to the delta rule only")
+    _require((DecayMatrix in kinds) == rec.has_gate, f"{rec.name}: decay matrices belong to gated recurrences only")

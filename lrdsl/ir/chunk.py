@@ -1,0 +1,257 @@
+"""Chunk IR: the tile-level program of one chunk (DESIGN.md section 2).
+
+One program describes the work on one chunk of C rows of one value head, given the chunk's entry
+state H (K x V); it produces the chunk's output O (C x V) and its exit state (K x V). Applying it
+chunk after chunk, each exit state feeding the next entry, is the whole sequence.
+
+Values are named tiles in SSA form. A shape is a tuple of axes: "C" (rows of the chunk; a C x C
+matrix is ("C", "C")), "K" (key channels), "V" (value columns); () is a scalar. Every op names
+the value it defines (`out`), the values it reads (`args()`) and its shape.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import sympy
+
+from .recurrence import Recurrence
+
+Shape = tuple[str, ...]
+
+
+def shape_text(shape: Shape) -> str:
+    return " x ".join(shape) if shape else "1"
+
+
+@dataclass(frozen=True)
+class ChunkOp(ABC):
+    out: str
+    shape: Shape
+
+    def args(self) -> tuple[str, ...]:
+        return ()
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The right-hand side, as `lrdsl show --stage chunk` prints it."""
+
+    @property
+    def expensive(self) -> bool:
+        """Whether recomputing this op in another kernel costs real work (matmuls, solves)."""
+        return False
+
+
+@dataclass(frozen=True)
+class Load(ChunkOp):
+    """A call input's tile for this chunk: q, k (C x K), v (C x V), a declared input, the
+    scalar `scale`, or `h`, the value-head index. Rows past the sequence end read as 0."""
+
+    source: str
+
+    def describe(self):
+        return f"load {self.source}"
+
+
+@dataclass(frozen=True)
+class StateIn(ChunkOp):
+    """The chunk's entry state H: the initial state (or 0) for a sequence's first chunk, else the
+    previous chunk's exit state."""
+
+    def describe(self):
+        return "entry state"
+
+
+@dataclass(frozen=True)
+class Normalize(ChunkOp):
+    """Rows divided by sqrt(sum of squares + 1e-6), only when use_qk_l2norm_in_kernel is set."""
+
+    x: str
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"l2norm_rows({self.x})   [if use_qk_l2norm_in_kernel]"
+
+
+@dataclass(frozen=True)
+class Formula(ChunkOp):
+    """Elementwise: `expr` over values (its free symbols are value names). Every value read has
+    this op's shape or is a scalar."""
+
+    expr: sympy.Expr
+
+    def args(self):
+        return tuple(sorted(str(s) for s in self.expr.free_symbols))
+
+    def describe(self):
+        return str(self.expr)
+
+
+@dataclass(frozen=True)
+class MaskRows(ChunkOp):
+    """Rows past the sequence end set to 0 (a formula of padded inputs need not be 0)."""
+
+    x: str
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"rows_in_sequence({self.x})"
+
+
+@dataclass(frozen=True)
+class Broadcast(ChunkOp):
+    """x repeated to this op's shape: a C-vector along columns (x_i in every column of row i),
+    a K-vector along rows, a scalar everywhere."""
+
+    x: str
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"broadcast({self.x})"
+
+
+@dataclass(frozen=True)
+class Cumsum(ChunkOp):
+    """Inclusive prefix sum over the rows of the chunk (reverse: suffix sum)."""
+
+    x: str
+    reverse: bool = False
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"{'reverse_' if self.reverse else ''}cumsum({self.x})"
+
+
+@dataclass(frozen=True)
+class LastRow(ChunkOp):
+    """The last row of the chunk (padded rows past the sequence end carry the last real value)."""
+
+    x: str
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"last_row({self.x})"
+
+
+@dataclass(frozen=True)
+class DecayMatrix(ChunkOp):
+    """C x C: exp2(x_i - x_j) where i > j (i >= j if inclusive), else 0. Masked before the exp2,
+    so the upper triangle never overflows."""
+
+    x: str
+    inclusive: bool
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        where = "i >= j" if self.inclusive else "i > j"
+        return f"exp2({self.x}_i - {self.x}_j) where {where}, else 0"
+
+
+@dataclass(frozen=True)
+class Mask(ChunkOp):
+    """C x C: x where i > j (i >= j if inclusive), else 0."""
+
+    x: str
+    inclusive: bool
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"{'lower' if self.inclusive else 'strict_lower'}({self.x})"
+
+
+@dataclass(frozen=True)
+class MatMul(ChunkOp):
+    """a @ b, either operand optionally transposed; fp32 accumulation."""
+
+    a: str
+    b: str
+    transpose_a: bool = False
+    transpose_b: bool = False
+
+    def args(self):
+        return (self.a, self.b)
+
+    def describe(self):
+        a = f"{self.a}^T" if self.transpose_a else self.a
+        b = f"{self.b}^T" if self.transpose_b else self.b
+        return f"{a} @ {b}"
+
+    @property
+    def expensive(self):
+        return True
+
+
+@dataclass(frozen=True)
+class UnitLowerInverse(ChunkOp):
+    """(I + a)^-1 for strictly lower-triangular a: forward substitution on 16 x 16 diagonal
+    blocks, then block merges. Works from memory: its input is stored first."""
+
+    a: str
+
+    def args(self):
+        return (self.a,)
+
+    def describe(self):
+        return f"(I + {self.a})^-1"
+
+    @property
+    def expensive(self):
+        return True
+
+
+@dataclass(frozen=True)
+class ChunkProgram:
+    recurrence: Recurrence
+    ops: tuple[ChunkOp, ...]
+    outputs: tuple[tuple[str, str], ...]  # ("o", value), ("state", value)
+
+    def op(self, name: str) -> ChunkOp:
+        for op in self.ops:
+            if op.out == name:
+                return op
+        raise KeyError(name)
+
+    def shape(self, name: str) -> Shape:
+        return self.op(name).shape
+
+    def output(self, role: str) -> str:
+        return dict(self.outputs)[role]
+
+    @property
+    def state_in(self) -> str:
+        return next(op.out for op in self.ops if isinstance(op, StateIn))
+
+    def describe(self) -> str:
+        r = self.recurrence
+        width = max(len(op.out) for op in self.ops)
+        lines = [f"chunk program {r.name}   (one chunk of C rows, one value head; entry state H: K x V; log2 units)"]
+        for op in self.ops:
+            lines.append(f"  {op.out:<{width}} : {shape_text(op.shape):<5} = {op.describe()}")
+        lines.append("  outputs: " + ", ".join(f"{role} = {name}" for role, name in self.outputs))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class NoChunkForm:
+    """What the chunk stages hold for a recurrence lrdsl cannot chunk yet; the module then has
+    only the recurrent kernel."""
+
+    recurrence: Recurrence
+    reason: str
+
+    def describe(self) -> str:
+        return f"no chunk form for {self.recurrence.name}: {self.reason}"

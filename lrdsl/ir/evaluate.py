@@ -1,0 +1,229 @@
+"""Evaluate a chunk program on concrete or symbolic values.
+
+Two backends, one rule per op type each:
+ - torch float64 tiles (`evaluate_torch`; lrdsl.chunk_reference runs whole sequences on it):
+   checks the derived chunk form numerically against the oracle, independently of Triton;
+ - sympy matrices (`evaluate_sympy`): the symbolic proof that the chunk form equals the
+   unrolled recurrence (lrdsl.prove).
+
+Values are tiles shaped exactly as the IR says: (C,) vectors, (C, K) matrices, () scalars.
+Rows past the sequence end (`valid_rows`) are zero in the loaded inputs, as in the kernels.
+Broadcast spreads a C-vector along columns (row i holds x_i), a K- or V-vector along rows.
+"""
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+
+from .chunk import (
+    Broadcast,
+    ChunkProgram,
+    Cumsum,
+    DecayMatrix,
+    Formula,
+    LastRow,
+    Load,
+    Mask,
+    MaskRows,
+    MatMul,
+    Normalize,
+    StateIn,
+    UnitLowerInverse,
+)
+from .formula import torch_function
+
+# ---------------------------------------------------------------------------------------------
+# torch float64
+# ---------------------------------------------------------------------------------------------
+
+class Context:
+    def __init__(self, prog: ChunkProgram, sizes: dict, valid_rows: int, l2norm: bool):
+        self.shapes = {op.out: op.shape for op in prog.ops}
+        self.sizes = sizes
+        self.valid_rows = valid_rows
+        self.l2norm = l2norm
+
+    def dims(self, shape) -> tuple[int, ...]:
+        return tuple(self.sizes[a] for a in shape)
+
+
+def _lower(C: int, inclusive: bool) -> torch.Tensor:
+    i = torch.arange(C)
+    return (i[:, None] >= i[None, :]) if inclusive else (i[:, None] > i[None, :])
+
+
+def _t_formula(op: Formula, env, ctx):
+    symbols, fn = torch_function(op.expr)
+    return fn(*[env[str(s)] for s in symbols]).expand(ctx.dims(op.shape))
+
+
+def _t_broadcast(op: Broadcast, env, ctx):
+    x, source = env[op.x], ctx.shapes[op.x]
+    if source == ():
+        return x.expand(ctx.dims(op.shape))
+    if source == ("C",):
+        return x[:, None].expand(ctx.dims(op.shape))
+    return x[None, :].expand(ctx.dims(op.shape))
+
+
+def _t_mask_rows(op: MaskRows, env, ctx):
+    rows = (torch.arange(ctx.sizes["C"]) < ctx.valid_rows).view(-1, *([1] * (len(op.shape) - 1)))
+    return torch.where(rows, env[op.x], torch.zeros((), dtype=torch.float64))
+
+
+def _t_normalize(op: Normalize, env, ctx):
+    x = env[op.x]
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) if ctx.l2norm else x
+
+
+def _t_decay(op: DecayMatrix, env, ctx):
+    x = env[op.x]
+    exponent = torch.where(_lower(x.shape[0], op.inclusive), x[:, None] - x[None, :], -math.inf)
+    return torch.exp2(exponent)
+
+
+def _t_cumsum(op: Cumsum, env, ctx):
+    x = env[op.x]
+    return torch.cumsum(x.flip(0), 0).flip(0) if op.reverse else torch.cumsum(x, 0)
+
+
+def _t_matmul(op: MatMul, env, ctx):
+    a = env[op.a].T if op.transpose_a else env[op.a]
+    b = env[op.b].T if op.transpose_b else env[op.b]
+    return a @ b
+
+
+TORCH_RULES = {
+    Load: lambda op, env, ctx: env[op.out],
+    StateIn: lambda op, env, ctx: env[op.out],
+    Normalize: _t_normalize,
+    Formula: _t_formula,
+    MaskRows: _t_mask_rows,
+    Broadcast: _t_broadcast,
+    Cumsum: _t_cumsum,
+    LastRow: lambda op, env, ctx: env[op.x][-1],
+    DecayMatrix: _t_decay,
+    Mask: lambda op, env, ctx: torch.where(_lower(env[op.x].shape[0], op.inclusive), env[op.x], 0.0),
+    MatMul: _t_matmul,
+    UnitLowerInverse: lambda op, env, ctx: torch.linalg.inv(torch.eye(env[op.a].shape[0], dtype=torch.float64) + env[op.a]),
+}
+
+
+def evaluate_torch(prog: ChunkProgram, env: dict, sizes: dict, valid_rows: int, l2norm: bool) -> dict:
+    """Evaluate every op of one chunk; `env` holds the Load and StateIn values (float64)."""
+    ctx = Context(prog, sizes, valid_rows, l2norm)
+    env = dict(env)
+    for op in prog.ops:
+        env[op.out] = TORCH_RULES[type(op)](op, env, ctx)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# sympy: (C,) vectors are C x 1 matrices, (K,) vectors 1 x K, scalars plain expressions
+# ---------------------------------------------------------------------------------------------
+
+
+def _s_dims(ctx, shape):
+    if shape == ():
+        return None
+    if len(shape) == 1:
+        return (ctx.sizes[shape[0]], 1) if shape[0] == "C" else (1, ctx.sizes[shape[0]])
+    return ctx.dims(shape)
+
+
+def _s_formula(op: Formula, env, ctx):
+    symbols = sorted(op.expr.free_symbols, key=str)
+    dims = _s_dims(ctx, op.shape)
+    if dims is None:
+        return op.expr.subs({s: env[str(s)] for s in symbols}, simultaneous=True)
+
+    def entry(i, j):
+        values = {}
+        for s in symbols:
+            x = env[str(s)]
+            values[s] = x[i, j] if isinstance(x, sympy.MatrixBase) else x
+        return op.expr.subs(values, simultaneous=True)
+
+    return sympy.Matrix(dims[0], dims[1], entry)
+
+
+def _s_broadcast(op: Broadcast, env, ctx):
+    x, source = env[op.x], ctx.shapes[op.x]
+    dims = _s_dims(ctx, op.shape)
+    if source == ():
+        return sympy.Matrix(dims[0], dims[1], lambda i, j: x)
+    if source == ("C",):
+        return sympy.Matrix(dims[0], dims[1], lambda i, j: x[i, 0])
+    return sympy.Matrix(dims[0], dims[1], lambda i, j: x[0, j])
+
+
+def _s_mask_rows(op: MaskRows, env, ctx):
+    x = env[op.x]
+    return sympy.Matrix(x.rows, x.cols, lambda i, j: x[i, j] if i < ctx.valid_rows else 0)
+
+
+def _s_cumsum(op: Cumsum, env, ctx):
+    x = env[op.x]
+    rows = range(x.rows)
+    if op.reverse:
+        return sympy.Matrix(x.rows, x.cols, lambda i, j: sum(x[r, j] for r in rows if r >= i))
+    return sympy.Matrix(x.rows, x.cols, lambda i, j: sum(x[r, j] for r in rows if r <= i))
+
+
+def _s_last_row(op: LastRow, env, ctx):
+    x = env[op.x]
+    return x[x.rows - 1, 0] if op.shape == () else x[x.rows - 1, :]
+
+
+def _s_decay(op: DecayMatrix, env, ctx):
+    x = env[op.x]
+
+    def entry(i, j):
+        inside = i >= j if op.inclusive else i > j
+        return 2 ** (x[i, 0] - x[j, 0]) if inside else 0
+
+    return sympy.Matrix(x.rows, x.rows, entry)
+
+
+def _s_mask(op: Mask, env, ctx):
+    x = env[op.x]
+    return sympy.Matrix(x.rows, x.cols, lambda i, j: x[i, j] if (i >= j if op.inclusive else i > j) else 0)
+
+
+def _s_matmul(op: MatMul, env, ctx):
+    a = env[op.a].T if op.transpose_a else env[op.a]
+    b = env[op.b].T if op.transpose_b else env[op.b]
+    return a * b
+
+
+def _s_normalize(op: Normalize, env, ctx):
+    if ctx.l2norm:
+        x = env[op.x]
+        return sympy.Matrix(x.rows, x.cols, lambda i, j: x[i, j] / sympy.sqrt(sum(x[i, c] ** 2 for c in range(x.cols)) + sympy.Rational(1, 10**6)))
+    return env[op.x]
+
+
+SYMPY_RULES = {
+    Load: lambda op, env, ctx: env[op.out],
+    StateIn: lambda op, env, ctx: env[op.out],
+    Normalize: _s_normalize,
+    Formula: _s_formula,
+    MaskRows: _s_mask_rows,
+    Broadcast: _s_broadcast,
+    Cumsum: _s_cumsum,
+    LastRow: _s_last_row,
+    DecayMatrix: _s_decay,
+    Mask: _s_mask,
+    MatMul: _s_matmul,
+    UnitLowerInverse: lambda op, env, ctx: (sympy.eye(env[op.a].rows) + env[op.a]).inv(),
+}
+
+
+def evaluate_sympy(prog: ChunkProgram, env: dict, sizes: dict, valid_rows: int) -> dict:
+    ctx = Context(prog, sizes, valid_rows, l2norm=False)
+    env = dict(env)
+    for op in prog.ops:
+        env[op.out] = SYMPY_RULES[type(op)](op, env, ctx)
+    return env

@@ -1,0 +1,169 @@
+"""derive_chunk: Recurrence IR -> chunk program (the chunkwise WY/UT form, DESIGN.md section 2).
+
+Which stages exist follows from the recurrence, never from its name:
+ - a gate gives the cumulative log2-decay G, the decay matrices and the gamma factors; no gate,
+   none of them (the masks alone stay);
+ - a constant gate is the same formula evaluated per head and broadcast over the rows;
+ - the delta rule gives the triangular system T = (I + A)^-1 and W, U, the residual Vn = U - W H;
+   a plain update writes Vn = beta * v directly;
+ - beta scales the rows of A, W's and U's right-hand sides (or v) where the spec declares it.
+
+Per chunk (rows r = 1..C, entry state H), with G the cumulative decay in log2 units:
+    A  = StrictLower(diag(beta) (K K^T * exp2(G_i - G_j)))       T = (I + A)^-1
+    W  = T (K * beta * gamma)     U = T (V * beta)     Vn = U - W H
+    O  = scale (gamma * (Q H) + (Q K^T * exp2(G_i - G_j) * LowerIncl) Vn)
+    H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn
+"""
+from __future__ import annotations
+
+import sympy
+
+from ..ir.chunk import (
+    Broadcast,
+    ChunkOp,
+    ChunkProgram,
+    Cumsum,
+    DecayMatrix,
+    Formula,
+    LastRow,
+    Load,
+    Mask,
+    MaskRows,
+    MatMul,
+    NoChunkForm,
+    Normalize,
+    Shape,
+    StateIn,
+    UnitLowerInverse,
+)
+from ..ir.formula import HEAD_INDEX
+from ..ir.recurrence import GateKind, InputRole, Recurrence
+
+LOG2E = 1 / sympy.log(2)
+
+INPUT_SHAPES: dict[InputRole, Shape] = {
+    InputRole.TOKEN: ("C",),
+    InputRole.TOKEN_KEY: ("C", "K"),
+    InputRole.HEAD: (),
+    InputRole.HEAD_KEY: ("K",),
+}
+
+
+class Builder:
+    """Appends ops with fresh value names; input names are taken first, so they keep theirs."""
+
+    def __init__(self):
+        self.ops: list[ChunkOp] = []
+        self.shapes: dict[str, Shape] = {}
+
+    def fresh(self, name: str) -> str:
+        candidate = name
+        while candidate in self.shapes:
+            candidate += "_"
+        return candidate
+
+    def add(self, op: ChunkOp) -> sympy.Symbol:
+        self.ops.append(op)
+        self.shapes[op.out] = op.shape
+        return sympy.Symbol(op.out)
+
+    def load(self, source: str, shape: Shape, name: str | None = None) -> sympy.Symbol:
+        return self.add(Load(self.fresh(name or source), shape, source))
+
+    def formula(self, name: str, expr: sympy.Expr, shape: Shape) -> sympy.Symbol:
+        return self.add(Formula(self.fresh(name), shape, sympy.sympify(expr)))
+
+    def rows(self, name: str, vector: sympy.Symbol, shape: Shape) -> sympy.Symbol:
+        """A per-row (C) vector spread over the columns of a C x _ tile."""
+        return self.add(Broadcast(self.fresh(name), shape, str(vector)))
+
+    def matmul(self, name, a, b, shape, transpose_a=False, transpose_b=False) -> sympy.Symbol:
+        return self.add(MatMul(self.fresh(name), shape, str(a), str(b), transpose_a, transpose_b))
+
+    def scale_rows(self, name: str, x: sympy.Symbol, factor, shape: Shape) -> sympy.Symbol:
+        """x * factor_r row by row; `factor` None means 1 (nothing emitted)."""
+        if factor is None:
+            return x
+        spread = self.rows(f"{name}_rows", factor, shape)
+        return self.formula(name, x * spread, shape)
+
+
+def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
+    if rec.gate is GateKind.KEY_CHANNEL:
+        # exp2(G_i - G_j) per key channel needs a C x C x K tile or a factorisation with a
+        # reference row per sub-chunk; neither is derived yet
+        return NoChunkForm(rec, "key-channel gates are not chunked yet; use recurrent()")
+    b = Builder()
+    # -- inputs of the chunk: declared inputs first, so their names are kept as written
+    for inp in rec.inputs:
+        b.load(inp.name, INPUT_SHAPES[inp.role])
+    uses_h = any(e is not None and HEAD_INDEX in e.free_symbols for e in (rec.log_decay, rec.beta))
+    if uses_h:
+        b.load(str(HEAD_INDEX), ())
+    q = b.add(Normalize(b.fresh("q"), ("C", "K"), str(b.load("q", ("C", "K"), "q_in"))))
+    k = b.add(Normalize(b.fresh("k"), ("C", "K"), str(b.load("k", ("C", "K"), "k_in"))))
+    v = b.load("v", ("C", "V"))
+    scale = b.load("scale", ())
+
+    # -- gate: G = cumsum(g) / ln 2, gamma = exp2(G), G_C = G at the last row
+    gamma = G = G_last = None
+    if rec.has_gate:
+        per_row = rec.is_per_token(rec.log_decay)
+        g = b.formula("g_t", rec.log_decay, ("C",) if per_row else ())
+        if not per_row:  # a constant gate: the same decay on every row
+            g = b.add(Broadcast(b.fresh("g_rows"), ("C",), str(g)))
+        g = b.add(MaskRows(b.fresh("g_masked"), ("C",), str(g)))  # rows past the end decay nothing
+        G = b.formula("G", b.add(Cumsum(b.fresh("g_cumsum"), ("C",), str(g))) * LOG2E, ("C",))
+        G_last = b.add(LastRow(b.fresh("G_last"), (), str(G)))
+        gamma = b.formula("gamma", 2**G, ("C",))
+
+    beta = None
+    if rec.has_beta:
+        per_row = rec.is_per_token(rec.beta)
+        beta = b.formula("beta_t", rec.beta, ("C",) if per_row else ())
+        if not per_row:
+            beta = b.add(Broadcast(b.fresh("beta_rows"), ("C",), str(beta)))
+
+    # -- the intra-chunk system and the residual Vn (what the state update writes)
+    H = b.add(StateIn(b.fresh("H"), ("K", "V")))
+    if rec.is_delta:
+        KK = b.matmul("KKt", k, k, ("C", "C"), transpose_b=True)
+        if G is not None:
+            decay = b.add(DecayMatrix(b.fresh("D"), ("C", "C"), str(G), inclusive=False))
+            KK = b.formula("KKt_decayed", KK * decay, ("C", "C"))
+        else:
+            KK = b.add(Mask(b.fresh("KKt_strict"), ("C", "C"), str(KK), inclusive=False))
+        A = b.scale_rows("A", KK, beta, ("C", "C"))
+        T = b.add(UnitLowerInverse(b.fresh("T"), ("C", "C"), str(A)))
+        weight = None
+        if beta is not None and gamma is not None:
+            weight = b.formula("beta_gamma", beta * gamma, ("C",))
+        else:
+            weight = beta if beta is not None else gamma
+        W = b.matmul("W", T, b.scale_rows("k_weighted", k, weight, ("C", "K")), ("C", "K"))
+        U = b.matmul("U", T, b.scale_rows("v_beta", v, beta, ("C", "V")), ("C", "V"))
+        Vn = b.formula("Vn", U - b.matmul("WH", W, H, ("C", "V")), ("C", "V"))
+    else:
+        Vn = b.scale_rows("Vn", v, beta, ("C", "V"))
+
+    # -- exit state: H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn
+    if G is not None:
+        k_to_end = b.scale_rows("k_decayed", k, b.formula("decay_to_end", 2 ** (G_last - G), ("C",)), ("C", "K"))
+        written = b.matmul("KtVn", k_to_end, Vn, ("K", "V"), transpose_a=True)
+        H_next = b.formula("H_next", 2**G_last * H + written, ("K", "V"))
+    else:
+        written = b.matmul("KtVn", k, Vn, ("K", "V"), transpose_a=True)
+        H_next = b.formula("H_next", H + written, ("K", "V"))
+
+    # -- output: O = scale (gamma * (Q H) + (Q K^T * exp2(G_i - G_j) * LowerIncl) Vn)
+    QK = b.matmul("QKt", q, k, ("C", "C"), transpose_b=True)
+    if G is not None:
+        QK = b.formula("QKt_decayed", QK * b.add(DecayMatrix(b.fresh("D_incl"), ("C", "C"), str(G), inclusive=True)), ("C", "C"))
+    else:
+        QK = b.add(Mask(b.fresh("QKt_causal"), ("C", "C"), str(QK), inclusive=True))
+    q_from_entry = b.scale_rows("q_decayed", q, gamma, ("C", "K"))
+    inter = b.matmul("QH", q_from_entry, H, ("C", "V"))
+    intra = b.matmul("QKtVn", QK, Vn, ("C", "V"))
+    O = b.formula("O", scale * (inter + intra), ("C", "V"))
+
+    return ChunkProgram(rec, tuple(b.ops), (("o", str(O)), ("state", str(H_next))))

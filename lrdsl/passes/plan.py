@@ -1,0 +1,111 @@
+"""plan: StageGraph -> kernel plans (which ops run in which kernel, what goes through memory).
+
+Rules, in the order they apply:
+ 1. The scan kernel runs the scan phase, the output kernel the output phase.
+ 2. A value a kernel needs but does not compute is recomputed there when it is cheap (loads,
+    elementwise ops, cumsums: no matmul or solve among its ancestors); otherwise it crosses
+    kernels through a buffer.
+ 3. Expensive prepare values the scan needs are computed by prepare kernels and stored.
+    Expensive prepare values only the output needs are computed in the output kernel.
+ 4. The entry state and scan values the output reads are stored by the scan kernel.
+ 5. A triangular solve works from memory: its input is stored before it, its result is stored
+    by it (16 x 16 blocks are loaded, solved and merged).
+The plans differ in rule 3's grouping:
+    fused  one prepare kernel (system, solve and its application; the solve's input and output
+           go through memory inside that kernel, which stays in cache)
+    split  one kernel per step: build the system, solve it, apply it
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from ..ir.chunk import ChunkProgram, NoChunkForm, UnitLowerInverse
+from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
+
+PLAN_SUMMARIES = {
+    "fused": "all prepare work in one kernel",
+    "split": "prepare work split at each triangular solve: build the system, solve it, apply it",
+}
+
+
+class _Planner:
+    def __init__(self, stages: StageGraph):
+        self.stages = stages
+        self.prog: ChunkProgram = stages.program
+        self.graph = stages.graph()
+        self.order = {op.out: i for i, op in enumerate(self.prog.ops)}
+        self.expensive = {op.out for op in self.prog.ops if op.expensive}
+
+    def cheap(self, value: str) -> bool:
+        """Recomputable anywhere: no matmul or solve at or before it, and not the entry state."""
+        ancestors = nx.ancestors(self.graph, value) | {value}
+        return not (ancestors & self.expensive) and self.prog.state_in not in ancestors
+
+    def closure(self, targets, available) -> list[str]:
+        """Ops a kernel must evaluate to produce `targets`, reading `available` from memory."""
+        needed, stack = set(), list(targets)
+        while stack:
+            value = stack.pop()
+            if value in needed or value in available:
+                continue
+            needed.add(value)
+            stack.extend(self.prog.op(value).args())
+        return sorted(needed, key=self.order.get)
+
+    def inputs_of(self, computes) -> set[str]:
+        """Values read by `computes` but not computed by them."""
+        inside = set(computes)
+        return {a for v in computes for a in self.prog.op(v).args() if a not in inside}
+
+    def plan(self, name: str) -> Plan:
+        phase = self.stages.phase
+        exit_state, output = self.prog.output("state"), self.prog.output("o")
+        scan_values = {v for v, p in self.stages.phases if p == "scan"}
+
+        # rules 2, 3, 5: what must live in memory before the scan
+        solves = [op for op in self.prog.ops if isinstance(op, UnitLowerInverse)]
+        prepared = sorted((v for v in self.inputs_of(scan_values) if not self.cheap(v)), key=self.order.get)
+        memory = set(prepared) | {op.a for op in solves} | {op.out for op in solves}
+
+        # rules 1, 4: the output kernel loads scan values (the entry state among them) and stored
+        # values; everything else it needs it evaluates itself
+        output_computes = self.closure([output], memory | scan_values)
+        scan_stores = sorted((v for v in self.inputs_of(output_computes) if phase(v) == "scan"), key=self.order.get)
+        scan_computes = self.closure([exit_state], memory)
+
+        kernels = self.prepare_kernels(name, prepared, solves, memory) if prepared else []
+        kernels.append(self.kernel("scan", "scan", scan_computes, scan_stores))
+        kernels.append(self.kernel("output", "chunk", output_computes, []))
+        stored = [v for k in kernels for v in k.stores]
+        missing = [v for k in kernels for v in k.loads if v not in stored]
+        assert not missing, f"plan {name}: kernels read {missing} that no kernel stores"
+        buffers = tuple(
+            Buffer(v, self.prog.shape(v), "fp32" if self.prog.shape(v) in (("C", "C"), ("C",), ()) else "io")
+            for v in sorted(stored, key=self.order.get)
+        )
+        return Plan(name, PLAN_SUMMARIES[name], tuple(kernels), buffers)
+
+    def kernel(self, name: str, kind: str, computes: list[str], stores: list[str]) -> Kernel:
+        loads = sorted(self.inputs_of(computes), key=self.order.get)
+        return Kernel(name, kind, tuple(computes), tuple(loads), tuple(stores))
+
+    def prepare_kernels(self, name: str, prepared: list[str], solves, memory: set[str]) -> list[Kernel]:
+        if name == "fused" or not solves:
+            computes = self.closure(prepared, set())
+            return [self.kernel("prepare", "chunk", computes, [v for v in computes if v in memory])]
+        kernels, done = [], set()
+        for solve in solves:
+            kernels.append(self.kernel("system", "chunk", self.closure([solve.a], done), [solve.a]))
+            kernels.append(self.kernel("solve", "chunk", [solve.out], [solve.out]))
+            done |= {solve.a, solve.out}
+        rest = self.closure(prepared, done)
+        kernels.append(self.kernel("apply", "chunk", rest, [v for v in rest if v in memory]))
+        return kernels
+
+
+def plan_kernels(stages: StageGraph | NoChunkForm) -> ChunkPlans | NoChunkForm:
+    if isinstance(stages, NoChunkForm):
+        return stages
+    planner = _Planner(stages)
+    return ChunkPlans(stages, tuple(planner.plan(name) for name in ("fused", "split")))
+
