@@ -115,6 +115,31 @@ def cmd_demo(args) -> int:
     return _run_checks(args.spec, shape, seed, module=module)
 
 
+def cmd_bench(args) -> int:
+    import torch
+
+    from . import load
+    from .bench import DECODE_SHAPES, TRAINING_SHAPES, bench, format_rows, to_json
+    from .passes.pipeline import run_pipeline
+    from .spec import load_spec
+
+    if not torch.cuda.is_available():
+        raise LrdslError("bench needs a CUDA GPU (timings on the CPU interpreter mean nothing)")
+    rec = run_pipeline(load_spec(args.spec), until="recurrence")["recurrence"]
+    module = load(args.spec)
+    shapes = {"training": TRAINING_SHAPES, "decode": DECODE_SHAPES}[args.shapes]
+    kernel = "chunk" if args.shapes == "training" else "recurrent"
+    if kernel == "chunk" and not hasattr(module, "chunk"):
+        raise LrdslError(f"{rec.name} has no chunk kernels to benchmark")
+    plans = args.plans.split(",") if args.plans else list(getattr(module, "CHUNK_PLANS", ()))
+    print(f"{rec.name}: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = bench(module, rec, shapes, plans, kernel=kernel)
+    print(format_rows(rows))
+    if args.json:
+        Path(args.json).write_text(to_json(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lrdsl", description="Compile linear-recurrence specs into Triton kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="2,19,2,4,24,40", help="B,T,H,HV,K,V (default 2,19,2,4,24,40)")
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(run=cmd_check)
+
+    p = sub.add_parser("bench", help="time the generated kernels side by side with fla-core (GPU)")
+    p.add_argument("spec")
+    p.add_argument("--shapes", choices=["training", "decode"], default="training")
+    p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: all)")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="compile a spec to a file, run it against the oracle, print errors and times")
     p.add_argument("spec", nargs="?", default="specs/gdn.toml")

@@ -9,7 +9,7 @@ in-place updates), so gradient tests take autograd through it.
                                 output_final_state=False, cu_seqlens=None,
                                 use_qk_l2norm_in_kernel=False)
 
-`o` is float64 [B, T, HV, V]; `ht` float64 [N, HV, K, V] or None.
+`o` is float64 [B, T, HV, V]; `ht` float64 [N, HV, K, V] or None; both on q's device.
 """
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ def _as_recurrence(rec) -> Recurrence:
     return run_pipeline(load_spec(Path(rec)), until="recurrence")["recurrence"]
 
 
-def evaluate_formula(expr, named: dict[str, torch.Tensor], roles: dict[str, InputRole], HV: int, per_key: bool):
+def evaluate_formula(expr, named: dict[str, torch.Tensor], roles: dict[str, InputRole], HV: int, per_key: bool, device="cpu"):
     """Evaluate a formula in float64, broadcasting every input to [B, T, HV] (or [B, T, HV, K])."""
     symbols, fn = torch_function(expr)
     values = []
     for s in symbols:
         if s == HEAD_INDEX:
-            x = torch.arange(HV, dtype=torch.float64).view(1, 1, HV)
+            x = torch.arange(HV, dtype=torch.float64, device=device).view(1, 1, HV)
         else:
             x = named[str(s)].to(torch.float64)
             role = roles[str(s)]
@@ -81,10 +81,10 @@ def run(
     roles = {i.name: i.role for i in rec.inputs}
     per_key = rec.gate is GateKind.KEY_CHANNEL
     if rec.has_gate:
-        g = evaluate_formula(rec.log_decay, named, roles, HV, per_key)
+        g = evaluate_formula(rec.log_decay, named, roles, HV, per_key, q.device).to(q.device)
         g = g.expand(B, T, HV, K) if per_key else g.expand(B, T, HV)
     if rec.has_beta:
-        beta = evaluate_formula(rec.beta, named, roles, HV, per_key=False).expand(B, T, HV)
+        beta = evaluate_formula(rec.beta, named, roles, HV, per_key=False, device=q.device).to(q.device).expand(B, T, HV)
 
     if cu_seqlens is None:
         sequences = [(b, 0, T) for b in range(B)]
@@ -97,7 +97,7 @@ def run(
         if initial_state is not None:
             S = initial_state[n].to(torch.float64)
         else:
-            S = torch.zeros(HV, K, V, dtype=torch.float64)
+            S = torch.zeros(HV, K, V, dtype=torch.float64, device=q.device)
         for t in range(bos, eos):
             if rec.gate is GateKind.KEY_CHANNEL:
                 S = torch.exp(g[b, t])[:, :, None] * S  # Diag(exp(g_t)) S
@@ -117,7 +117,7 @@ def run(
     if outputs:
         o = torch.stack(outputs).view(len(outputs), HV, V)
     else:
-        o = torch.zeros(0, HV, V, dtype=torch.float64)
+        o = torch.zeros(0, HV, V, dtype=torch.float64, device=q.device)
     o = o.reshape(B, T, HV, V)
     ht = torch.stack(finals) if output_final_state else None
     return o, ht
