@@ -34,8 +34,14 @@ def varlen_bounds(T: int) -> list[int]:
     return [0, 0, 1, 1 + first, 1 + first, T]
 
 
-def kernels_of(module) -> list[str]:
-    return [name for name in ("recurrent", "chunk") if hasattr(module, name)]
+def kernel_configs(module, all_chunk_configs: bool = True) -> list[tuple[str, str, dict]]:
+    """(label, function, options) for the recurrent kernel and each chunk plan x chunk size."""
+    configs = [("recurrent", "recurrent", {})]
+    if hasattr(module, "chunk"):
+        plans = module.CHUNK_PLANS if all_chunk_configs else (module.DEFAULT_CHUNK_PLAN,)
+        sizes = module.CHUNK_SIZES if all_chunk_configs else (64,)
+        configs += [(f"chunk[{p},{c}]", "chunk", {"plan": p, "chunk_size": c}) for p in plans for c in sizes]
+    return configs
 
 
 def _time(fn, device: str, timed: bool) -> float:
@@ -58,48 +64,47 @@ def check_module(
     device: str = "cpu",
     seed: int | None = None,
     timed: bool = True,
-    kernels: list[str] | None = None,
+    all_chunk_configs: bool = True,
 ) -> list[CheckRow]:
+    """Every kernel config on two cases (dense with initial state and in-kernel L2 norm; varlen
+    with empty and length-1 sequences) per dtype, each against one oracle run on the same inputs."""
     generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    configs = kernel_configs(module, all_chunk_configs)
     rows = []
-    cases = {
-        "dense+h0+l2norm": dict(varlen=False),
-        "varlen+h0": dict(varlen=True),
-    }
-    for kernel in kernels or kernels_of(module):
-        fn = getattr(module, kernel)
-        for case, config in cases.items():
-            if config["varlen"]:
-                case_shape = Shape(1, shape.B * shape.T, shape.H, shape.HV, shape.K, shape.V)
-                bounds = varlen_bounds(case_shape.T)
-                cu = torch.tensor(bounds, dtype=torch.int32)
-                N = len(bounds) - 1
-                l2norm = False
-            else:
-                case_shape, cu, N, l2norm = shape, None, shape.B, True
-            for dtype in dtypes:
-                tensors = make_inputs(rec, case_shape, dtype=dtype, generator=generator)
-                h0 = torch.randn(N, shape.HV, shape.K, shape.V, generator=generator)
-                dev = [t.to(device) for t in tensors]
-                kwargs = dict(
-                    initial_state=h0.to(device),
-                    output_final_state=True,
-                    cu_seqlens=cu.to(device) if cu is not None else None,
-                    use_qk_l2norm_in_kernel=l2norm,
-                )
-                o, ht = fn(*dev, **kwargs)  # first: the module validates the tensors
-                ref_o, ref_h = reference.run(
-                    rec, *tensors, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                    use_qk_l2norm_in_kernel=l2norm,
-                )
-                ms = _time(lambda: fn(*dev, **kwargs), device, timed)
+    for case in ("dense+h0+l2norm", "varlen+h0"):
+        if case.startswith("varlen"):
+            case_shape = Shape(1, shape.B * shape.T, shape.H, shape.HV, shape.K, shape.V)
+            bounds = varlen_bounds(case_shape.T)
+            cu, N, l2norm = torch.tensor(bounds, dtype=torch.int32), len(bounds) - 1, False
+        else:
+            case_shape, cu, N, l2norm = shape, None, shape.B, True
+        for dtype in dtypes:
+            tensors = make_inputs(rec, case_shape, dtype=dtype, generator=generator)
+            h0 = torch.randn(N, shape.HV, shape.K, shape.V, generator=generator)
+            kwargs = dict(
+                initial_state=h0.to(device),
+                output_final_state=True,
+                cu_seqlens=cu.to(device) if cu is not None else None,
+                use_qk_l2norm_in_kernel=l2norm,
+            )
+            dev = [t.to(device) for t in tensors]
+            reference_out = None
+            for label, function, options in configs:
+                fn = getattr(module, function)
+                o, ht = fn(*dev, **kwargs, **options)  # before the oracle: the module validates the tensors
+                if reference_out is None:
+                    reference_out = reference.run(
+                        rec, *tensors, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                        use_qk_l2norm_in_kernel=l2norm,
+                    )
+                ms = _time(lambda: fn(*dev, **kwargs, **options), device, timed)
                 rows.append(
                     CheckRow(
-                        kernel=kernel,
+                        kernel=label,
                         case=case,
                         dtype=str(dtype).replace("torch.", ""),
-                        out_error=relative_error(o, ref_o),
-                        state_error=relative_error(ht, ref_h),
+                        out_error=relative_error(o, reference_out[0]),
+                        state_error=relative_error(ht, reference_out[1]),
                         limit=TOLERANCE[dtype],
                         ms=ms,
                     )
@@ -108,11 +113,11 @@ def check_module(
 
 
 def format_rows(rows: list[CheckRow]) -> str:
-    header = f"{'kernel':<10} {'case':<16} {'dtype':<9} {'o rel.err':>10} {'state rel.err':>13} {'limit':>7} {'ms':>9}  ok"
+    header = f"{'kernel':<17} {'case':<16} {'dtype':<9} {'o rel.err':>10} {'state rel.err':>13} {'limit':>7} {'ms':>9}  ok"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.kernel:<10} {r.case:<16} {r.dtype:<9} {r.out_error:>10.2e} {r.state_error:>13.2e} "
+            f"{r.kernel:<17} {r.case:<16} {r.dtype:<9} {r.out_error:>10.2e} {r.state_error:>13.2e} "
             f"{r.limit:>7.0e} {_ms(r.ms):>9}  {'ok' if r.ok else 'FAIL'}"
         )
     return "\n".join(lines)

@@ -68,7 +68,7 @@ def _describe_spec(spec) -> str:
     return "\n".join(lines)
 
 
-def _run_checks(spec_path: str, shape, seed, module=None, timed=True):
+def _run_checks(spec_path: str, shape, seed, module=None, timed=True, all_chunk_configs=True):
     import torch
 
     from . import load
@@ -83,7 +83,8 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True):
     dtypes = [torch.float32, torch.float16] + ([] if interpreted else [torch.bfloat16])
     where = "CPU, Triton interpreter" if interpreted else torch.cuda.get_device_name()
     print(f"{rec.name}: generated kernels vs the float64 oracle ({where}; {shape}; seed {seed})")
-    rows = check_module(module, rec, shape, dtypes=dtypes, device=device, seed=seed, timed=timed)
+    rows = check_module(module, rec, shape, dtypes=dtypes, device=device, seed=seed, timed=timed,
+                        all_chunk_configs=all_chunk_configs)
     print(format_rows(rows))
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)}/{len(rows)} within tolerance")
@@ -93,8 +94,29 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True):
 def cmd_check(args) -> int:
     import torch
 
+    if args.prove:
+        return _prove(args.spec)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
     return _run_checks(args.spec, _parse_shape(args.shape), seed, timed=False)
+
+
+def _prove(spec_path: str) -> int:
+    from .ir.chunk import NoChunkForm
+    from .passes.pipeline import run_pipeline
+    from .prove import prove
+    from .spec import load_spec
+
+    prog = run_pipeline(load_spec(spec_path), until="chunk")["chunk"]
+    if isinstance(prog, NoChunkForm):
+        raise LrdslError(prog.describe())
+    print(f"{prog.recurrence.name}: chunk program == unrolled recurrence, symbolically (K = V = 2)")
+    failed = 0
+    for result in prove(prog):
+        status = "proved" if result.ok else "FAILED at " + ", ".join(result.failures)
+        tail = " (last chunk of a sequence)" if result.rows < result.C else ""
+        print(f"  C = {result.C}, {result.rows} rows{tail}: {result.entries} entries of O and the exit state: {status}")
+        failed += not result.ok
+    return 1 if failed else 0
 
 
 def cmd_demo(args) -> int:
@@ -112,7 +134,8 @@ def cmd_demo(args) -> int:
     default = "2,40,2,4,32,48" if interpreted else "4,2048,16,32,128,128"
     shape = _parse_shape(args.shape or default)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
-    return _run_checks(args.spec, shape, seed, module=module)
+    # the CPU interpreter is slow: there the demo runs the default chunk plan and size only
+    return _run_checks(args.spec, shape, seed, module=module, all_chunk_configs=not interpreted)
 
 
 def cmd_bench(args) -> int:
@@ -151,13 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show", help="print one compiler stage")
     p.add_argument("spec")
-    p.add_argument("--stage", default="recurrence", help="recurrence, step, module, ... (default recurrence)")
+    p.add_argument("--stage", default="recurrence", help="recurrence, step, chunk, stages, plan, module (default recurrence)")
     p.set_defaults(run=cmd_show)
 
     p = sub.add_parser("check", help="run the generated kernels against the float64 oracle")
     p.add_argument("spec")
     p.add_argument("--shape", default="2,19,2,4,24,40", help="B,T,H,HV,K,V (default 2,19,2,4,24,40)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prove", action="store_true", help="instead: prove the chunk form equal to the recurrence (sympy)")
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("bench", help="time the generated kernels side by side with fla-core (GPU)")

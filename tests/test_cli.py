@@ -94,10 +94,34 @@ def test_standalone_module_runs_without_lrdsl(tmp_path, generator):
 
 
 def test_check_passes_and_prints_table():
-    result = run(["check", "specs/gdn.toml", "--seed", "1"])
+    result = run(["check", "specs/gdn.toml", "--seed", "1", "--shape", "1,20,1,2,16,24"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"recurrent\s+dense\+h0\+l2norm\s+float32\s+\d\.\d\de-\d\d", result.stdout)
-    assert "within tolerance" in result.stdout
+    for plan in ("fused", "split"):
+        for size in (16, 32, 64):
+            assert re.search(rf"chunk\[{plan},{size}\]\s+varlen\+h0\s+float16\s+\d\.\d\de-\d\d", result.stdout)
+    assert "28/28 within tolerance" in result.stdout
+
+
+def test_check_prove():
+    result = run(["check", "specs/deltanet.toml", "--prove"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(": proved") == 3 and "(last chunk of a sequence)" in result.stdout
+
+
+def test_check_prove_without_chunk_form():
+    assert_one_line_error(run(["check", "specs/gla.toml", "--prove"]), "no chunk form for gla: key-channel")
+
+
+def test_show_chunk_stage_is_golden():
+    result = run(["show", "specs/gdn.toml", "--stage", "chunk"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (ROOT / "tests" / "golden" / "gdn.chunk.txt").read_text()
+
+
+def test_show_plan_of_key_channel_spec_says_why():
+    result = run(["show", "specs/kda.toml", "--stage", "plan"])
+    assert result.returncode == 0 and "no chunk form for kda" in result.stdout
 
 
 def test_show_prints_golden_step_program():

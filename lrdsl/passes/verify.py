@@ -16,11 +16,13 @@ from ..ir.chunk import (
     Mask,
     MaskRows,
     MatMul,
+    NoChunkForm,
     Normalize,
     StateIn,
     UnitLowerInverse,
 )
 from ..ir.formula import HEAD_INDEX
+from ..ir.plan import ChunkPlans, StageGraph
 from ..ir.recurrence import GateKind, Recurrence
 from ..ir.step import DecayState, DeltaResidual, Formula, PredictValue, ReadOutput, ScaleValue, StepProgram, WriteState
 
@@ -172,3 +174,62 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
     _require(shapes.get(roles.get("state")) == ("K", "V"), f"{rec.name}: the exit state must be K x V")
     _require((UnitLowerInverse in kinds) == rec.is_delta, f"{rec.name}: a triangular system belongs to the delta rule only")
     _require((DecayMatrix in kinds) == rec.has_gate, f"{rec.name}: decay matrices belong to gated recurrences only")
+
+
+@verifies(NoChunkForm)
+def verify_no_chunk_form(item: NoChunkForm) -> None:
+    verify_recurrence(item.recurrence)
+    _require(bool(item.reason), f"{item.recurrence.name}: a missing chunk form must say why")
+
+
+# -- stage graphs and plans --------------------------------------------------------------------
+
+_PHASE_ORDER = {"prepare": 0, "scan": 1, "output": 2}
+
+
+@verifies(StageGraph)
+def verify_stage_graph(stages: StageGraph) -> None:
+    prog = stages.program
+    verify_chunk_program(prog)
+    name = prog.recurrence.name
+    _require([v for v, _ in stages.phases] == [op.out for op in prog.ops], f"{name}: every op needs exactly one phase")
+    _require(all(p in _PHASE_ORDER for _, p in stages.phases), f"{name}: unknown phase")
+    _require(stages.phase(prog.state_in) == "scan", f"{name}: the entry state belongs to the scan")
+    _require(stages.phase(prog.output("state")) == "scan", f"{name}: the exit state belongs to the scan")
+    for op in prog.ops:
+        for arg in op.args():
+            _require(
+                _PHASE_ORDER[stages.phase(arg)] <= _PHASE_ORDER[stages.phase(op.out)],
+                f"{name}: {op.out} ({stages.phase(op.out)}) reads {arg} from the later phase {stages.phase(arg)}",
+            )
+
+
+@verifies(ChunkPlans)
+def verify_chunk_plans(plans: ChunkPlans) -> None:
+    verify_stage_graph(plans.graph)
+    prog = plans.graph.program
+    name = prog.recurrence.name
+    ops = {op.out: op for op in prog.ops}
+    _require(len({p.name for p in plans.plans}) == len(plans.plans), f"{name}: plan names must differ")
+    for plan in plans.plans:
+        where = f"{name} plan {plan.name}"
+        buffers = {b.value for b in plan.buffers}
+        stored: set[str] = set()
+        scans = [k for k in plan.kernels if k.kind == "scan"]
+        _require(len(scans) == 1, f"{where}: exactly one scan kernel")
+        _require(prog.output("state") in scans[0].computes, f"{where}: the scan computes the exit state")
+        _require(sum(prog.output("o") in k.computes for k in plan.kernels) == 1, f"{where}: one kernel writes o")
+        for kernel in plan.kernels:
+            for value in kernel.loads:
+                _require(value in stored, f"{where}: kernel {kernel.name} reads {value} before any kernel stores it")
+            available = set(kernel.loads)
+            for value in kernel.computes:
+                missing = [a for a in ops[value].args() if a not in available]
+                _require(not missing, f"{where}: kernel {kernel.name} computes {value} without {missing}")
+                available.add(value)
+                if isinstance(ops[value], UnitLowerInverse):
+                    _require(ops[value].a in buffers and value in buffers, f"{where}: a solve works from memory")
+            for value in kernel.stores:
+                _require(value in available and value in buffers, f"{where}: kernel {kernel.name} stores {value} it lacks")
+            stored |= set(kernel.stores)
+        _require(buffers == stored, f"{where}: buffers {sorted(buffers)} but kernels store {sorted(stored)}")

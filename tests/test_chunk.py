@@ -1,0 +1,190 @@
+"""Generated chunk kernels against the float64 oracle, the recurrent kernel and themselves
+(CPU interpreter at small sizes; fresh inputs every run)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lrdsl import reference
+from lrdsl.workloads import Shape, relative_error
+
+from helpers import (
+    BETA_EXTREMES,
+    CORE_SPECS,
+    GATE_EXTREMES,
+    SHAPE_CASES,
+    assert_close,
+    direct_input,
+    module,
+    recurrence,
+    run_case,
+    sample,
+)
+
+# chunk sizes rotate over the shape cases so every size meets short, odd and varlen sequences
+CASE_CHUNK_SIZE = {case: (16, 32, 64)[i % 3] for i, case in enumerate(sorted(SHAPE_CASES))}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPE_CASES))
+@pytest.mark.parametrize("name", CORE_SPECS)
+def test_chunk_shapes(name, case, generator, device):
+    run_case(module(name), recurrence(name), "chunk", SHAPE_CASES[case], generator, device,
+             chunk_size=CASE_CHUNK_SIZE[case])
+
+
+@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet"])
+@pytest.mark.parametrize("case", ["gva2_h0_scale", "varlen_empty_len1"])
+def test_chunk_in_kernel_formulas(name, case, generator, device):
+    run_case(module(name), recurrence(name), "chunk", SHAPE_CASES[case], generator, device, chunk_size=16)
+
+
+GATED = [n for n in CORE_SPECS if direct_input(recurrence(n), recurrence(n).log_decay)]
+WITH_BETA = [n for n in CORE_SPECS if direct_input(recurrence(n), recurrence(n).beta)]
+
+
+@pytest.mark.parametrize("gate", GATE_EXTREMES)
+@pytest.mark.parametrize("name", GATED)
+def test_chunk_gate_extremes(name, gate, generator, device):
+    """g = 0 exactly, -1e-6, -30 (everything forgotten at once) and half -30 / half 0: no NaN/Inf."""
+    case = dict(shape=Shape(1, 40, 1, 2, 16, 16), dtype=torch.float32, h0=True)
+    run_case(module(name), recurrence(name), "chunk", case, generator, device, gate=gate, chunk_size=16)
+
+
+@pytest.mark.parametrize("beta", BETA_EXTREMES)
+@pytest.mark.parametrize("name", WITH_BETA)
+def test_chunk_beta_extremes(name, beta, generator, device):
+    case = dict(shape=Shape(1, 35, 1, 2, 16, 16), dtype=torch.float32, h0=True, bounds=[0, 0, 1, 35])
+    run_case(module(name), recurrence(name), "chunk", case, generator, device, beta=beta, chunk_size=16)
+
+
+def _call(mod, kernel, tensors, device, **kwargs):
+    kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    o, ht = getattr(mod, kernel)(*[t.to(device) for t in tensors], **kwargs)
+    return o.cpu(), (ht.cpu() if ht is not None else None)
+
+
+@pytest.mark.parametrize("name", CORE_SPECS)
+def test_chunk_equals_recurrent(name, generator, device):
+    rec, mod = recurrence(name), module(name)
+    tensors = sample(rec, Shape(2, 37, 2, 4, 24, 40), torch.float32, generator)
+    kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_c, h_c = _call(mod, "chunk", tensors, device, chunk_size=16, **kwargs)
+    o_r, h_r = _call(mod, "recurrent", tensors, device, **kwargs)
+    assert relative_error(o_c, o_r) < 1e-5 and relative_error(h_c, h_r) < 1e-5
+
+
+@pytest.mark.parametrize("name", CORE_SPECS)
+def test_split_prefill_equals_one_prefill(name, generator, device):
+    """chunk(T1), then chunk(T2) from its final state == chunk(T1 + T2)."""
+    rec, mod = recurrence(name), module(name)
+    T1, T2 = 23, 26
+    tensors = sample(rec, Shape(2, T1 + T2, 2, 4, 16, 24), torch.float32, generator)
+    h0 = torch.randn(2, 4, 16, 24, generator=generator)
+    o_all, h_all = _call(mod, "chunk", tensors, device, initial_state=h0, output_final_state=True, chunk_size=16)
+    first = [t[:, :T1] for t in tensors[:3]] + [t[:, :T1] if t.dim() >= 3 else t for t in tensors[3:]]
+    second = [t[:, T1:] for t in tensors[:3]] + [t[:, T1:] if t.dim() >= 3 else t for t in tensors[3:]]
+    o1, h1 = _call(mod, "chunk", first, device, initial_state=h0, output_final_state=True, chunk_size=16)
+    o2, h2 = _call(mod, "chunk", second, device, initial_state=h1, output_final_state=True, chunk_size=16)
+    assert relative_error(torch.cat([o1, o2], 1), o_all) < 1e-5
+    assert relative_error(h2, h_all) < 1e-5
+
+
+@pytest.mark.parametrize("name", CORE_SPECS)
+def test_prefill_then_decode_equals_one_prefill(name, generator, device):
+    rec, mod = recurrence(name), module(name)
+    T = 21
+    tensors = sample(rec, Shape(1, T, 1, 2, 16, 16), torch.float32, generator)
+    o_all, h_all = _call(mod, "chunk", tensors, device, output_final_state=True, chunk_size=16)
+    prefix = [t[:, : T - 2] if t.dim() >= 3 else t for t in tensors]
+    o_pre, state = _call(mod, "chunk", prefix, device, output_final_state=True, chunk_size=16)
+    outputs = [o_pre]
+    for t in (T - 2, T - 1):  # two decode steps, one token each
+        step = [x[:, t : t + 1] if x.dim() >= 3 else x for x in tensors]
+        o_t, state = _call(mod, "recurrent", step, device, initial_state=state, output_final_state=True)
+        outputs.append(o_t)
+    assert relative_error(torch.cat(outputs, 1), o_all) < 1e-5
+    assert relative_error(state, h_all) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "linear_attn"])
+def test_every_chunk_size_and_plan_agree(name, generator, device):
+    rec, mod = recurrence(name), module(name)
+    tensors = sample(rec, Shape(1, 70, 2, 2, 24, 24), torch.float32, generator)
+    h0 = torch.randn(3, 2, 24, 24, generator=generator)
+    cu = torch.tensor([0, 5, 5, 70], dtype=torch.int32)
+    results = {}
+    for plan in mod.CHUNK_PLANS:
+        for size in mod.CHUNK_SIZES:
+            results[plan, size] = _call(mod, "chunk", tensors, device, initial_state=h0, output_final_state=True,
+                                        cu_seqlens=cu, plan=plan, chunk_size=size)
+    base_o, base_h = results["fused", 64]
+    ref_o, ref_h = reference.run(rec, *tensors, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert_close(base_o, ref_o, torch.float32, "fused/64 o")
+    for key, (o, h) in results.items():
+        assert relative_error(o, base_o) < 1e-5, key
+        assert relative_error(h, base_h) < 1e-5, key
+
+
+def test_precomputed_chunk_indices_skip_preparation(generator, device, monkeypatch):
+    rec, mod = recurrence("gdn"), module("gdn")
+    tensors = sample(rec, Shape(1, 40, 1, 2, 16, 16), torch.float32, generator)
+    cu = torch.tensor([0, 17, 17, 40], dtype=torch.int32, device=device)
+    indices, offsets = mod.prepare_varlen(cu, 16)
+    assert indices.tolist() == [[0, 0], [0, 1], [2, 0], [2, 1]] and offsets.tolist() == [0, 2, 2, 4]
+    expected = _call(mod, "chunk", tensors, device, cu_seqlens=cu, chunk_size=16, output_final_state=True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("prepare_varlen must not run when chunk_indices is given")
+
+    monkeypatch.setattr(mod, "prepare_varlen", refuse)
+    got = _call(mod, "chunk", tensors, device, cu_seqlens=cu, chunk_size=16, output_final_state=True,
+                chunk_indices=indices)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("name", ["gdn", "linear_attn"])
+def test_head_dim_256(name, generator, device):
+    case = dict(shape=Shape(1, 18, 1, 1, 256, 256), dtype=torch.float32, h0=True)
+    run_case(module(name), recurrence(name), "chunk", case, generator, device, chunk_size=16)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    B=st.integers(1, 2),
+    T=st.integers(1, 40),
+    H=st.integers(1, 2),
+    group=st.integers(1, 3),
+    K=st.sampled_from([8, 20, 33]),
+    V=st.sampled_from([8, 24, 40]),
+    chunk_size=st.sampled_from([16, 32, 64]),
+    name=st.sampled_from(CORE_SPECS),
+)
+def test_chunk_property_shapes(B, T, H, group, K, V, chunk_size, name, generator, device):
+    case = dict(shape=Shape(B, T, H, H * group, K, V), dtype=torch.float32, h0=True)
+    run_case(module(name), recurrence(name), "chunk", case, generator, device, chunk_size=chunk_size)
+
+
+# -- bad arguments -------------------------------------------------------------------------------
+
+def _error(mod, *args, **kwargs) -> str:
+    with pytest.raises(mod.InputError) as info:
+        mod.chunk(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{mod.SPEC_NAME}.chunk: ")
+    return message
+
+
+def test_chunk_bad_arguments(generator):
+    rec, mod = recurrence("gdn"), module("gdn")
+    q, k, v, g, beta = sample(rec, Shape(1, 8, 2, 4, 8, 8), torch.float32, generator)
+    assert "chunk_size must be one of (16, 32, 64), got 48" in _error(mod, q, k, v, g, beta, chunk_size=48)
+    assert "plan must be one of" in _error(mod, q, k, v, g, beta, plan="fastest")
+    assert "HV=3 must be a positive multiple" in _error(mod, q, k, v[:, :, :3], g[..., :3], beta[..., :3])
+    assert "beta must be [B, T, HV] = [1, 8, 4], got [1, 8]" in _error(mod, q, k, v, g, beta[..., 0])
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    bad_indices = torch.zeros(3, 2, dtype=torch.int64)
+    assert "chunk_indices must be the int32 [NC, 2] tensor" in _error(mod, q, k, v, g, beta, cu_seqlens=cu, chunk_indices=bad_indices)
+    q2, k2, v2, g2, b2 = sample(rec, Shape(2, 8, 2, 4, 8, 8), torch.float32, generator)
+    assert "with cu_seqlens the batch must be 1" in _error(mod, q2, k2, v2, g2, b2, cu_seqlens=cu)

@@ -1,0 +1,198 @@
+"""Chunk-form passes: derive_chunk, the symbolic proof, the stage graph and the kernel plans."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import sympy
+import torch
+
+from lrdsl import reference
+from lrdsl.chunk_reference import run_chunked
+from lrdsl.errors import IRError
+from lrdsl.ir.chunk import DecayMatrix, Formula, MatMul, NoChunkForm, UnitLowerInverse
+from lrdsl.passes.derive_chunk import derive_chunk
+from lrdsl.passes.plan import plan_kernels
+from lrdsl.passes.stage_graph import build_stage_graph
+from lrdsl.passes.verify import verify
+from lrdsl.prove import prove, prove_case
+from lrdsl.workloads import Shape
+
+from helpers import ALL_SPECS, CORE_SPECS, recurrence, sample
+
+CHUNKED_SPECS = [n for n in ALL_SPECS if not isinstance(derive_chunk(recurrence(n)), NoChunkForm)]
+
+
+def program(name):
+    return derive_chunk(recurrence(name))
+
+
+@pytest.mark.parametrize("stage", ["chunk", "stages", "plan"])
+def test_gdn_chunk_golden_dumps(stage, golden):
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec
+
+    from helpers import spec_path
+
+    text = run_pipeline(load_spec(spec_path("gdn")), until=stage)[stage].describe() + "\n"
+    golden(f"gdn.{stage}.txt", text)
+
+
+def test_stages_follow_the_spec_not_its_name():
+    ops = {name: {type(op) for op in program(name).ops} for name in CHUNKED_SPECS}
+    assert UnitLowerInverse in ops["gdn"] and UnitLowerInverse in ops["deltanet"]
+    assert UnitLowerInverse not in ops["simple_gla"] and UnitLowerInverse not in ops["linear_attn"]
+    assert DecayMatrix in ops["gdn"] and DecayMatrix in ops["simple_gla"] and DecayMatrix in ops["retnet"]
+    assert DecayMatrix not in ops["deltanet"] and DecayMatrix not in ops["linear_attn"]
+    # a constant gate is its formula of the head index, spread over the rows
+    retnet = program("retnet")
+    gate = next(op for op in retnet.ops if isinstance(op, Formula) and op.out == "g_t")
+    assert gate.shape == () and sympy.Symbol("h") in gate.expr.free_symbols
+
+
+def test_key_channel_gate_has_no_chunk_form_yet():
+    result = program("kda")
+    assert isinstance(result, NoChunkForm) and "key-channel" in result.reason
+    assert isinstance(build_stage_graph(result), NoChunkForm)
+
+
+@pytest.mark.parametrize("name", CHUNKED_SPECS)
+def test_chunk_program_verifies(name):
+    verify(program(name))
+
+
+@pytest.mark.parametrize("name", CHUNKED_SPECS)
+def test_symbolic_proof(name):
+    results = prove(program(name))
+    assert [(r.C, r.rows) for r in results] == [(2, 2), (3, 3), (3, 2)]
+    for r in results:
+        assert r.ok, f"{name}: C={r.C} rows={r.rows} differs at {r.failures}"
+        assert r.entries == r.rows * 2 + 4
+
+
+def _replace_op(prog, name, **changes):
+    ops = tuple(dataclasses.replace(op, **changes) if op.out == name else op for op in prog.ops)
+    return dataclasses.replace(prog, ops=ops)
+
+
+def test_proof_catches_a_wrong_mask():
+    prog = program("gdn")
+    broken = _replace_op(prog, "D_incl", inclusive=False)  # the output forgets the diagonal
+    result = prove_case(broken, 2, 2)
+    assert not result.ok and any(f.startswith("O[") for f in result.failures)
+
+
+def test_proof_catches_a_missing_decay():
+    prog = program("simple_gla")
+    state = next(op for op in prog.ops if op.out == "H_next")
+    broken = _replace_op(prog, "H_next", expr=state.expr.subs(sympy.Symbol("H"), 0) + sympy.Symbol("H"))
+    result = prove_case(broken, 3, 3)
+    assert not result.ok and any(f.startswith("state[") for f in result.failures)
+
+
+@pytest.mark.parametrize("name", CHUNKED_SPECS)
+@pytest.mark.parametrize("chunk_size", [4, 16])
+def test_chunk_program_matches_oracle_in_float64(name, chunk_size, generator):
+    """The derived form itself, evaluated in float64 chunk by chunk: equal to the oracle to rounding."""
+    rec = recurrence(name)
+    shape = Shape(1, 37, 2, 4, 8, 6)
+    tensors = sample(rec, shape, torch.float32, generator)
+    h0 = torch.randn(4, 4, 8, 6, generator=generator)
+    kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=torch.tensor([0, 0, 1, 20, 37]),
+                  use_qk_l2norm_in_kernel=True, scale=0.4)
+    o, ht = run_chunked(program(name), *tensors, chunk_size=chunk_size, **kwargs)
+    ref_o, ref_ht = reference.run(rec, *tensors, **kwargs)
+    torch.testing.assert_close(o, ref_o, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(ht, ref_ht, rtol=1e-9, atol=1e-11)
+
+
+# -- verifier on broken chunk programs ---------------------------------------------------------
+
+def test_verify_catches_shape_mismatch():
+    prog = program("gdn")
+    with pytest.raises(IRError, match="shape"):
+        verify(_replace_op(prog, "W", shape=("C", "V")))
+
+
+def test_verify_catches_non_contracting_matmul():
+    prog = program("gdn")
+    with pytest.raises(IRError, match="do not contract"):
+        verify(_replace_op(prog, "KKt", transpose_b=False))
+
+
+def test_verify_catches_use_before_definition():
+    prog = program("deltanet")
+    ops = list(prog.ops)
+    inverse = next(i for i, op in enumerate(ops) if isinstance(op, UnitLowerInverse))
+    ops.insert(0, ops.pop(inverse))
+    with pytest.raises(IRError, match="before any definition"):
+        verify(dataclasses.replace(prog, ops=tuple(ops)))
+
+
+def test_verify_catches_missing_solve():
+    prog = program("deltanet")
+    ops = tuple(op for op in prog.ops if not isinstance(op, UnitLowerInverse))
+    ops = tuple(dataclasses.replace(op, a="A") if isinstance(op, MatMul) and op.a == "T" else op for op in ops)
+    with pytest.raises(IRError, match="triangular system belongs to the delta rule"):
+        verify(dataclasses.replace(prog, ops=ops))
+
+
+# -- stage graph and plans --------------------------------------------------------------------
+
+def test_stage_graph_phases_gdn():
+    stages = build_stage_graph(program("gdn"))
+    phase = stages.phase
+    assert phase("T") == "prepare" and phase("W") == "prepare" and phase("U") == "prepare"
+    assert phase("H") == "scan" and phase("Vn") == "scan" and phase("H_next") == "scan"
+    assert phase("O") == "output" and phase("QH") == "output"
+    crossing = {(v, a, b) for v, a, b in stages.crossings()}
+    assert ("W", "prepare", "scan") in crossing and ("Vn", "scan", "output") in crossing
+    graph = stages.graph()
+    assert graph.has_edge("T", "W") and graph.nodes["O"]["phase"] == "output"
+
+
+@pytest.mark.parametrize("name", CHUNKED_SPECS)
+def test_plans_are_complete(name):
+    plans = plan_kernels(build_stage_graph(program(name)))
+    verify(plans)
+    assert [p.name for p in plans.plans] == ["fused", "split"]
+    for plan in plans.plans:
+        kinds = [k.kind for k in plan.kernels]
+        assert kinds.count("scan") == 1 and plan.kernels[-1].name == "output"
+
+
+def test_split_plan_separates_the_solve():
+    plans = plan_kernels(build_stage_graph(program("gdn")))
+    assert [k.name for k in plans.plan("fused").kernels] == ["prepare", "scan", "output"]
+    assert [k.name for k in plans.plan("split").kernels] == ["system", "solve", "apply", "scan", "output"]
+    solve = plans.plan("split").kernels[1]
+    assert solve.loads == ("A",) and solve.stores == ("T",)
+    fused = plans.plan("fused").kernels[0]
+    assert {"A", "T", "W", "U"} <= set(fused.stores)
+
+
+def test_plain_update_needs_no_solve():
+    for name in ("simple_gla", "linear_attn"):
+        plans = plan_kernels(build_stage_graph(program(name)))
+        assert plans.plan("fused").kernels == plans.plan("split").kernels
+        assert not any(b.shape == ("C", "C") for b in plans.plan("fused").buffers)
+
+
+def test_verify_catches_a_plan_reading_an_unstored_buffer():
+    plans = plan_kernels(build_stage_graph(program("gdn")))
+    fused = plans.plan("fused")
+    broken_kernel = dataclasses.replace(fused.kernels[0], stores=("A", "T", "W"))  # U no longer stored
+    broken = dataclasses.replace(fused, kernels=(broken_kernel,) + fused.kernels[1:])
+    with pytest.raises(IRError, match="reads U"):
+        verify(dataclasses.replace(plans, plans=(broken,) + plans.plans[1:]))
+
+
+@pytest.mark.parametrize("name", CORE_SPECS)
+def test_every_pass_verifies_with_chunk_stages(name):
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec
+
+    from helpers import spec_path
+
+    stages = run_pipeline(load_spec(spec_path(name)), check=True)
+    assert {"chunk", "stages", "plan"} <= set(stages)
