@@ -85,7 +85,7 @@ def test_different_devices(gdn):
 
 def test_integer_dtype(gdn):
     mod, (q, k, v, g, beta) = gdn
-    assert "v must be float32, float16 or bfloat16, got torch.int64" in call_error(mod, q, k, v.long(), g, beta)
+    assert "v must be float32, float16, bfloat16 or float64, got torch.int64" in call_error(mod, q, k, v.long(), g, beta)
 
 
 def test_mixed_qkv_dtypes(gdn):

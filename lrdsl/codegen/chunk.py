@@ -5,8 +5,9 @@ blocks of BV value columns (chunk-parallel kernels) or on the program's own bloc
 which puts value blocks on the grid: state columns evolve independently). Values named in the
 plan's buffers are loaded where a kernel reads them and stored right after they are computed.
 
-Tiles are fp32 in registers; matmul operands are cast to DOT_DTYPE (the q/k/v dtype on a GPU,
-fp32 in the interpreter, where 16-bit dots are wrong) with fp32 accumulation.
+Tiles are ACC (fp32; fp64 for fp64 inputs) in registers; matmul operands are cast to DOT_DTYPE
+(the q/k/v dtype on a GPU, ACC in the interpreter, where 16-bit dots are wrong), accumulating in
+fp32 or wider.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 from ..errors import CompileError
 from ..ir.chunk import (
+    COTANGENT,
+    SAVED,
     Broadcast,
     ChunkOp,
     ChunkProgram,
@@ -26,11 +29,15 @@ from ..ir.chunk import (
     MaskRows,
     MatMul,
     Normalize,
+    NormalizeGrad,
+    PlaceLastRow,
+    ReduceSum,
     StateIn,
     UnitLowerInverse,
+    result_param,
 )
 from ..ir.formula import HEAD_INDEX
-from ..ir.plan import ChunkPlans, Kernel, Plan
+from ..ir.plan import BackwardPlan, Kernel, Plan
 from ..ir.recurrence import InputRole
 from .emitters import EmitterRegistry
 from .printer import to_triton
@@ -50,11 +57,20 @@ def buffer_param(value: str) -> str:
     return f"buf_{value}"
 
 
+def saved_param(source: str) -> str:
+    """The parameter of a forward buffer the backward reads (`saved:H` -> saved_H)."""
+    return "saved_" + source[len(SAVED):]
+
+
 @dataclass
 class KernelContext:
     prog: ChunkProgram
     plan: Plan
     kernel: Kernel
+    accumulators: frozenset = frozenset()  # values summed over the V loop: `+=` instead of `=`
+
+    def assign(self, value: str) -> str:
+        return f"{var(value)} {'+=' if value in self.accumulators else '='} "
 
     @property
     def is_scan(self) -> bool:
@@ -98,8 +114,8 @@ def buffer_address(shape) -> tuple[str, str]:
 
 def load_line(target: str, pointer: str, offsets: str, mask: str) -> str:
     if not mask:
-        return f"{target} = tl.load({pointer} + {offsets}).to(tl.float32)"
-    return f"{target} = tl.load({pointer} + {offsets}, mask={mask}, other=0.0).to(tl.float32)"
+        return f"{target} = tl.load({pointer} + {offsets}).to(ACC)"
+    return f"{target} = tl.load({pointer} + {offsets}, mask={mask}, other=0.0).to(ACC)"
 
 
 def store_line(pointer: str, offsets: str, mask: str, value: str) -> str:
@@ -126,13 +142,16 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
     if op.source == "scale":
         return [f"{target} = scale"]
     if op.source == str(HEAD_INDEX):
-        return [f"{target} = i_hv.to(tl.float32)  # the value-head index h"]
+        return [f"{target} = i_hv.to(ACC)  # the value-head index h"]
     if op.source in ("q", "k"):
         offsets, mask = tile_address(op.shape, "H", "i_h", "K")
         return [load_line(target, op.source, offsets, mask)]
-    if op.source == "v":
+    if op.source in ("v", COTANGENT):
         offsets, mask = tile_address(op.shape, "HV", "i_hv", "V")
-        return [load_line(target, "v", offsets, mask)]
+        return [load_line(target, "v" if op.source == "v" else "d_o", offsets, mask)]
+    if op.source.startswith(SAVED):
+        offsets, mask = buffer_address(op.shape)
+        return [f"# {op.out}: stored by the forward pass", load_line(target, saved_param(op.source), offsets, mask)]
     role = ctx.prog.recurrence.input(op.source).role
     if role is InputRole.HEAD:
         return [load_line(target, op.source, "i_hv", "")]
@@ -164,7 +183,7 @@ def _formula(op: Formula, ctx: KernelContext) -> list[str]:
     text = to_triton(op.expr, names)
     arg_shapes = {ctx.shape(a) for a in op.args()}
     if op.shape and arg_shapes <= {()}:  # only scalars read: spread the value over the tile
-        text = f"tl.zeros({ctx.block(op.shape)}, dtype=tl.float32) + ({text})"
+        text = f"tl.zeros({ctx.block(op.shape)}, dtype=ACC) + ({text})"
     return [f"{var(op.out)} = {text}"]
 
 
@@ -178,7 +197,7 @@ def _mask_rows(op: MaskRows, ctx: KernelContext) -> list[str]:
 def _broadcast(op: Broadcast, ctx: KernelContext) -> list[str]:
     source, x = ctx.shape(op.x), var(op.x)
     if source == ():
-        return [f"{var(op.out)} = tl.zeros({ctx.block(op.shape)}, dtype=tl.float32) + {x}"]
+        return [f"{var(op.out)} = tl.zeros({ctx.block(op.shape)}, dtype=ACC) + {x}"]
     spread = f"{x}[:, None]" if source == ("C",) else f"{x}[None, :]"
     return [f"{var(op.out)} = tl.broadcast_to({spread}, {ctx.block(op.shape)})"]
 
@@ -217,7 +236,36 @@ def _matmul(op: MatMul, ctx: KernelContext) -> list[str]:
         return f"tl.trans({x})" if transpose else x
 
     a, b = operand(op.a, op.transpose_a), operand(op.b, op.transpose_b)
-    return [f"{var(op.out)} = tl.dot({a}, {b}, input_precision=DOT_PRECISION)"]
+    return [f"{ctx.assign(op.out)}tl.dot({a}, {b}, input_precision=DOT_PRECISION)"]
+
+
+@CHUNK_EMITTERS.register(ReduceSum)
+def _reduce_sum(op: ReduceSum, ctx: KernelContext) -> list[str]:
+    # padded rows and columns hold 0 in every tile, so sums need no masks
+    x = var(op.x)
+    if op.shape == ():
+        return [f"{ctx.assign(op.out)}tl.sum({x})"]
+    (axis,) = op.axes
+    return [f"{ctx.assign(op.out)}tl.sum({x}, axis={axis})"]
+
+
+@CHUNK_EMITTERS.register(PlaceLastRow)
+def _place_last_row(op: PlaceLastRow, ctx: KernelContext) -> list[str]:
+    if op.shape == ("C",):
+        return [f"{var(op.out)} = tl.where(o_c == BT - 1, {var(op.x)}, 0.0)"]
+    return [f"{var(op.out)} = tl.where((o_c == BT - 1)[:, None], {var(op.x)}[None, :], 0.0)"]
+
+
+@CHUNK_EMITTERS.register(NormalizeGrad)
+def _normalize_grad(op: NormalizeGrad, ctx: KernelContext) -> list[str]:
+    x, dy, dx = var(op.x), var(op.dy), var(op.out)
+    return [
+        f"{dx} = {dy}",
+        "if USE_QK_L2NORM:",
+        f"    {dx}_r = 1.0 / tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)",
+        f"    {dx}_y = {x} * {dx}_r[:, None]",
+        f"    {dx} = {dx}_r[:, None] * ({dy} - {dx}_y * tl.sum({dx}_y * {dy}, axis=1)[:, None])",
+    ]
 
 
 @CHUNK_EMITTERS.register(UnitLowerInverse)
@@ -240,10 +288,20 @@ def _has_v(shape) -> bool:
 
 
 def kernel_inputs(ctx: KernelContext) -> list[str]:
-    """The call inputs a kernel reads: q, k, v, then the spec's inputs, in positional order."""
+    """The call inputs a kernel reads: q, k, v, d_o, then the spec's inputs, in positional order."""
     sources = {ctx.prog.op(v).source for v in ctx.kernel.computes if isinstance(ctx.prog.op(v), Load)}
-    order = ["q", "k", "v"] + [i.name for i in ctx.prog.recurrence.inputs]
-    return [name for name in order if name in sources]
+    order = ["q", "k", "v", COTANGENT] + [i.name for i in ctx.prog.recurrence.inputs]
+    names = {COTANGENT: "d_o"}
+    return [names.get(n, n) for n in order if n in sources]
+
+
+def kernel_saved(ctx: KernelContext) -> list[str]:
+    """Forward buffers a backward kernel reads."""
+    return [
+        saved_param(ctx.prog.op(v).source)
+        for v in ctx.kernel.computes
+        if isinstance(ctx.prog.op(v), Load) and ctx.prog.op(v).source.startswith(SAVED)
+    ]
 
 
 def kernel_buffers(ctx: KernelContext) -> list[str]:
@@ -251,13 +309,14 @@ def kernel_buffers(ctx: KernelContext) -> list[str]:
     return [b.value for b in ctx.plan.buffers if b.value in used]
 
 
-def writes_output(ctx: KernelContext) -> bool:
-    return ctx.prog.output("o") in ctx.kernel.computes
+def kernel_results(ctx: KernelContext) -> list[tuple[str, str]]:
+    """(role, value) of the program's results this kernel computes and writes."""
+    return [(role, value) for role, value in ctx.prog.results if value in ctx.kernel.computes]
 
 
 def kernel_params(ctx: KernelContext) -> list[str]:
-    params = kernel_inputs(ctx) + [buffer_param(b) for b in kernel_buffers(ctx)]
-    return params + (["o"] if writes_output(ctx) else [])
+    params = kernel_inputs(ctx) + kernel_saved(ctx) + [buffer_param(b) for b in kernel_buffers(ctx)]
+    return params + [result_param(role) for role, _ in kernel_results(ctx)]
 
 
 def _read_only_by_solves(ctx: KernelContext, value: str) -> bool:
@@ -265,31 +324,140 @@ def _read_only_by_solves(ctx: KernelContext, value: str) -> bool:
     return bool(readers) and all(isinstance(op, UnitLowerInverse) for op in readers)
 
 
-def emit_kernel_body(ctx: KernelContext) -> tuple[list[str], list[str]]:
-    """(lines outside the V loop, lines per block of value columns)."""
-    plain: list[str] = []
-    per_v: list[str] = []
-    for value in ctx.kernel.loads:
-        if not _read_only_by_solves(ctx, value):  # a solve reads its input block by block
-            (per_v if _has_v(ctx.shape(value)) else plain).extend(emit_buffer_load(value, ctx))
+def _is_loadable(ctx: KernelContext, value: str) -> bool:
+    """Values a kernel can (re)load wherever it needs them: call inputs and buffers."""
+    return value in ctx.kernel.loads or isinstance(ctx.prog.op(value), Load)
+
+
+def _segments(ctx: KernelContext) -> tuple[dict[str, tuple[str, int]], set[str]]:
+    """Where each value is computed: ("plain", i) before V loop i, or ("loop", i) inside it.
+
+    A value without a V axis that reads V tiles sums over V: it accumulates inside the loop of
+    its V inputs and is ready in the plain segment after it. Loads are placed where they are used.
+    """
+    place: dict[str, tuple[str, int]] = {}
+    accumulators = set()
+
+    def ready(arg: str, in_loop: bool) -> int:
+        """The earliest segment (plain or loop index) at which `arg` can be read."""
+        if _is_loadable(ctx, arg):
+            return 0
+        kind, index = place[arg]
+        return index + 1 if kind == "sum" else index
+
     for value in ctx.kernel.computes:
-        op: ChunkOp = ctx.prog.op(value)
-        in_v = _has_v(op.shape)
-        if not in_v and any(_has_v(ctx.shape(a)) for a in op.args()):
-            raise CompileError(f"{ctx.prog.recurrence.name}: {value} sums over V inside kernel {ctx.kernel.name}")
-        lines = per_v if in_v else plain
-        lines.append(f"# {value} = {op.describe()}")
-        lines.extend(CHUNK_EMITTERS.emit(op, ctx))
-        if ctx.stored_here(value) and not isinstance(op, UnitLowerInverse):  # a solve stores its own result
-            lines.extend(emit_buffer_store(value, ctx))
-        if value == ctx.prog.output("o"):
-            offsets, mask = tile_address(("C", "V"), "HV", "i_hv", "V")
-            lines.append(store_line("o", offsets, mask, var(value)))
-    return plain, per_v
+        op = ctx.prog.op(value)
+        if _is_loadable(ctx, value) and not _has_v(op.shape):
+            place[value] = ("plain", 0)
+            continue
+        if _has_v(op.shape):
+            index = max([ready(a, True) for a in op.args()], default=0)
+            for arg in op.args():
+                if not _is_loadable(ctx, arg) and place[arg][0] == "loop" and place[arg][1] != index:
+                    raise CompileError(f"{ctx.prog.recurrence.name}: {value} needs the V tile {arg} of an earlier V loop")
+            place[value] = ("loop", index)
+        elif any(_has_v(ctx.shape(a)) for a in op.args()):
+            if not isinstance(op, (MatMul, ReduceSum)):
+                raise CompileError(f"{ctx.prog.recurrence.name}: {value} sums over V but is no matmul or sum")
+            place[value] = ("sum", max(ready(a, True) for a in op.args()))
+            accumulators.add(value)
+        else:
+            place[value] = ("plain", max([ready(a, False) for a in op.args()], default=0))
+    return place, accumulators
+
+
+def _op_lines(ctx: KernelContext, value: str) -> list[str]:
+    """An op's lines: a comment with its formula, its code, then its stores."""
+    op: ChunkOp = ctx.prog.op(value)
+    lines = [f"# {value} = {op.describe()}"]
+    lines.extend(CHUNK_EMITTERS.emit(op, ctx))
+    if ctx.stored_here(value) and not isinstance(op, UnitLowerInverse):  # a solve stores its own result
+        lines.extend(emit_buffer_store(value, ctx))
+    for role, result in ctx.prog.results:
+        if result == value:
+            lines.extend(emit_result_store(role, value, ctx))
+    return lines
+
+
+def emit_result_store(role: str, value: str, ctx: KernelContext) -> list[str]:
+    shape = ctx.shape(value)
+    if shape == ():
+        offsets, mask = buffer_address(())
+    else:
+        width = {("C", "K"): "K", ("C", "V"): "V", ("C",): ""}[shape]
+        offsets, mask = tile_address(shape, "HV", "i_hv", width)
+    return [store_line(result_param(role), offsets, mask, var(value))]
+
+
+def emit_scan_body(ctx: KernelContext) -> list[str]:
+    """The scan's per-chunk body: every op in program order (its V block is the program's own)."""
+    lines = []
+    for value in ctx.kernel.loads:
+        lines.extend(emit_buffer_load(value, ctx))
+    for value in ctx.kernel.computes:
+        op = ctx.prog.op(value)
+        if not _has_v(op.shape) and any(_has_v(ctx.shape(a)) for a in op.args()):
+            raise CompileError(f"{ctx.prog.recurrence.name}: {value} sums over V inside the scan, whose programs own one V block")
+        lines.extend(_op_lines(ctx, value))
+    return lines
+
+
+def emit_chunk_body(ctx: KernelContext) -> list[str]:
+    """A chunk-parallel kernel's body: plain segments and loops over blocks of V columns."""
+    place, accumulators = _segments(ctx)
+    ctx.accumulators = frozenset(accumulators)
+    count = 1 + max((i for kind, i in place.values() if kind != "plain"), default=-1)
+    plain: list[list[str]] = [[] for _ in range(count + 1)]
+    loops: list[list[str]] = [[] for _ in range(count)]
+    loaded_in_loop: list[set[str]] = [set() for _ in range(count)]
+
+    def load_into(index: int, value: str) -> None:
+        if value in loaded_in_loop[index]:
+            return
+        loaded_in_loop[index].add(value)
+        if value in ctx.kernel.loads:
+            loops[index].extend(emit_buffer_load(value, ctx))
+        else:
+            loops[index].extend(_op_lines(ctx, value))
+
+    for value in ctx.kernel.loads:
+        if not _has_v(ctx.shape(value)) and not _read_only_by_solves(ctx, value):  # a solve reads blocks itself
+            plain[0].extend(emit_buffer_load(value, ctx))
+    for value in ctx.kernel.computes:
+        op = ctx.prog.op(value)
+        kind, index = place[value]
+        if kind == "plain":
+            plain[index].extend(_op_lines(ctx, value))
+            continue
+        for arg in op.args():
+            if _has_v(ctx.shape(arg)) and _is_loadable(ctx, arg):
+                load_into(index, arg)
+        if kind == "sum":
+            plain[index].append(f"{var(value)} = tl.zeros({ctx.block(op.shape)}, dtype=ACC)  # summed over V below")
+            loops[index].extend(_op_lines(ctx, value))
+        elif not _is_loadable(ctx, value):
+            loops[index].extend(_op_lines(ctx, value))
+        else:
+            load_into(index, value)
+
+    body = []
+    for index in range(count + 1):
+        body.extend(indent(plain[index], 4).split("\n") if plain[index] else [])
+        if index < count:
+            body += [
+                "",
+                "    for i_v in range(0, tl.cdiv(V, BV)):",
+                "        o_v = i_v * BV + tl.arange(0, BV)",
+                "        m_v = o_v < V",
+                indent(loops[index], 8),
+                "",
+            ]
+    return body
 
 
 def kernel_function_name(prog: ChunkProgram, kernel: Kernel) -> str:
-    return f"{prog.recurrence.name}_chunk_{kernel.name}_kernel"
+    direction = "_bwd" if prog.direction == "backward" else ""
+    return f"{prog.recurrence.name}_chunk{direction}_{kernel.name}_kernel"
 
 
 KERNEL_DOCS = {
@@ -304,23 +472,24 @@ KERNEL_DOCS = {
 
 def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
     ctx = KernelContext(prog, plan, kernel)
-    plain, per_v = emit_kernel_body(ctx)
+    backward = prog.direction == "backward"
     common = dict(
         kernel_name=kernel_function_name(prog, kernel),
         params=", ".join(kernel_params(ctx)),
-        doc=f"{KERNEL_DOCS[kernel.name]} of `{prog.recurrence.name}`.",
+        doc=f"{KERNEL_DOCS[kernel.name]} of `{prog.recurrence.name}`{' (backward)' if backward else ''}.",
         computes=", ".join(kernel.computes),
     )
     if kernel.kind == "scan":
         return render(
             "scan_kernel.py.jinja",
             **common,
+            reverse=backward,
             state=prog.state_in,
             state_var=var(prog.state_in),
             next_var=var(prog.output("state")),
-            body=indent(plain + per_v, 8),
+            body=indent(emit_scan_body(ctx), 8),
         )
-    return render("chunk_kernel.py.jinja", **common, plain=indent(plain, 4), per_v=indent(per_v, 8))
+    return render("chunk_kernel.py.jinja", **common, body="\n".join(emit_chunk_body(ctx)))
 
 
 # -- the module section ------------------------------------------------------------------------
@@ -345,52 +514,114 @@ BUFFER_SHAPES = {
 }
 
 
-def _launcher(prog: ChunkProgram, plan: Plan) -> str:
+def _unpack_extras(prog: ChunkProgram) -> str:
     names = [i.name for i in prog.recurrence.inputs]
-    unpack = f"{', '.join(names)}{',' if len(names) == 1 else ''} = extras" if names else "# no inputs besides q, k, v"
-    buffers = [
-        dict(
-            param=buffer_param(b.value),
-            value=f"{b.value}: {' x '.join(b.shape) or 'scalar'} per chunk",
-            shape=BUFFER_SHAPES[b.shape],
-            dtype="torch.float32" if b.dtype == "fp32" else "q.dtype",
-        )
-        for b in plan.buffers
-    ]
+    if not names:
+        return "# no inputs besides q, k, v"
+    return f"{', '.join(names)}{',' if len(names) == 1 else ''} = c[\"extras\"]"
+
+
+def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
     calls = []
     for kernel in plan.kernels:
         ctx = KernelContext(prog, plan, kernel)
         calls.append(
-            dict(kind=kernel.kind, name=kernel.name, function=kernel_function_name(prog, kernel), args=", ".join(kernel_params(ctx)))
+            dict(
+                kind=kernel.kind,
+                name=kernel.name,
+                role=kernel.name,
+                function=kernel_function_name(prog, kernel),
+                args=", ".join(kernel_params(ctx)),
+            )
         )
+    return calls
+
+
+def _buffers(plan: Plan) -> list[dict]:
+    return [
+        dict(
+            name=b.value,
+            param=buffer_param(b.value),
+            shape=BUFFER_SHAPES[b.shape],
+            dtype="acc_dtype" if b.dtype == "fp32" else "q.dtype",
+        )
+        for b in plan.buffers
+    ]
+
+
+def _launcher(prog: ChunkProgram, plan: Plan) -> str:
     return render(
         "chunk_launcher.py.jinja",
         plan_name=plan.name,
         summary=plan.summary,
-        extras_unpack=unpack,
-        buffers=buffers,
-        calls=calls,
+        extras_unpack=_unpack_extras(prog),
+        buffers=_buffers(plan),
+        calls=_calls(prog, plan),
     ).rstrip("\n")
 
 
-def emit_chunk_section(plans: ChunkPlans, positional: str, extras: str) -> str:
+RESULT_SHAPES = {("C", "K"): "(B, T, HV, K)", ("C", "V"): "(B, T, HV, V)", ("C",): "(B, T, HV)", (): "(NC, HV)"}
+
+
+def _backward_launcher(item: BackwardPlan) -> str:
+    prog = item.backward.graph.program
+    plan = item.backward.plans[0]  # the backward has no solve: its plans coincide
+    inputs = ["q", "k", "v"] + [i.name for i in prog.recurrence.inputs]
+    produced = dict(prog.results)
+    results = []
+    for name in inputs:
+        role = f"grad:{name}"
+        if role not in produced:
+            continue
+        shape = prog.shape(produced[role])
+        results.append(
+            dict(
+                param=result_param(role),
+                shape=RESULT_SHAPES[shape],
+                input=name,
+                per_key_head=name in ("q", "k"),
+                per_chunk=shape == (),
+            )
+        )
+    result_names = ", ".join(result_param(f"grad:{n}") if f"grad:{n}" in produced else "None" for n in inputs)
+    return render(
+        "chunk_backward.py.jinja",
+        extras_unpack=_unpack_extras(prog),
+        saved_names=list(item.reads),
+        buffers=_buffers(plan),
+        results=results,
+        result_names=result_names,
+        calls=_calls(prog, plan),
+    ).rstrip("\n")
+
+
+def emit_chunk_section(item: BackwardPlan, positional: str, extras: str) -> str:
+    plans = item.forward
     prog = plans.graph.program
     kernels: dict[str, str] = {}
-    for plan in plans.plans:
+    programs = [(prog, p) for p in plans.plans] + [(item.backward.graph.program, item.backward.plans[0])]
+    for program, plan in programs:
         for kernel in plan.kernels:
-            source = emit_kernel(prog, plan, kernel)
-            name = kernel_function_name(prog, kernel)
+            source = emit_kernel(program, plan, kernel)
+            name = kernel_function_name(program, kernel)
             if kernels.setdefault(name, source) != source:
                 raise CompileError(f"two plans define kernel {name} differently")
     first = kernel_function_name(prog, plans.plans[0].kernels[0])
+    save_policies = {
+        policy.name: {"kept": dict(policy.kept), "rerun": dict(policy.rerun)} for policy in item.policies
+    }
     return render(
         "chunk_api.py.jinja",
         plan_names=[p.name for p in plans.plans],
         default_plan=plans.default,
-        plan_doc=[f"  {p.name}: {p.summary}: {' -> '.join(k.name for k in p.kernels)}" for p in plans.plans],
+        plan_doc=[f"  {p.name}: {p.summary}: {' -> '.join(k.name for k in p.kernels)}" for p in plans.plans]
+        + [f"  backward: {' -> '.join(k.name for k in item.backward.plans[0].kernels)} (the scan in reverse)"],
         launch=repr(CHUNK_LAUNCH),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p) for p in plans.plans],
+        backward=_backward_launcher(item),
+        save_policies=repr(save_policies),
+        default_policy=item.default_policy,
         spec_name=prog.recurrence.name,
         positional=positional,
         extras=extras,

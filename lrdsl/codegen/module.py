@@ -47,13 +47,13 @@ def emit_module(stages: dict, spec_path: str) -> str:
     signature_tail = "scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False"
     signatures = [f"recurrent({_positional(rec)}, {signature_tail}) -> (o, final_state | None)"]
     sections = [emit_recurrent_section(stages["step"])]
-    plans = stages["plan"]
+    plans = stages["save"]
     if isinstance(plans, NoChunkForm):
         signatures.append(f"chunk: not generated ({plans.reason})")
     else:
         signatures.append(
-            f"chunk({_positional(rec)}, {signature_tail}, chunk_size=64, plan=None, chunk_indices=None)"
-            " -> (o, final_state | None)"
+            f"chunk({_positional(rec)}, {signature_tail}, chunk_size=64, plan=None, chunk_indices=None,"
+            " save_policy=None) -> (o, final_state | None)   [differentiable]"
         )
         signatures.append("prepare_varlen(cu_seqlens, chunk_size=64) -> (chunk_indices, chunk_offsets)")
         sections.append(emit_chunk_section(plans, _positional(rec), _extras_tuple(rec)))

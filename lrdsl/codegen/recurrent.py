@@ -53,7 +53,7 @@ def _load_vector(op: LoadVector, prog: StepProgram) -> Emission:
     p = f"p_{op.source}"
     return Emission(
         setup=[f"{p} = {op.source} + {base}"],
-        lines=[f"b_{op.source} = tl.load({p}, mask={mask}, other=0.0).to(tl.float32)"],
+        lines=[f"b_{op.source} = tl.load({p}, mask={mask}, other=0.0).to(ACC)"],
         advance=[f"{p} += {stride}"],
     )
 
@@ -62,18 +62,18 @@ def _load_vector(op: LoadVector, prog: StepProgram) -> Emission:
 def _load_input(op: LoadInput, prog: StepProgram) -> Emission:
     name, p = op.name, f"p_{op.name}"
     if op.role is InputRole.HEAD:
-        return Emission([f"b_{name} = tl.load({name} + i_hv).to(tl.float32)"])
+        return Emission([f"b_{name} = tl.load({name} + i_hv).to(ACC)"])
     if op.role is InputRole.HEAD_KEY:
-        return Emission([f"b_{name} = tl.load({name} + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)"])
+        return Emission([f"b_{name} = tl.load({name} + i_hv * K + o_k, mask=m_k, other=0.0).to(ACC)"])
     if op.role is InputRole.TOKEN:
         return Emission(
             setup=[f"{p} = {name} + bos * HV + i_hv"],
-            lines=[f"b_{name} = tl.load({p}).to(tl.float32)"],
+            lines=[f"b_{name} = tl.load({p}).to(ACC)"],
             advance=[f"{p} += HV"],
         )
     return Emission(
         setup=[f"{p} = {name} + (bos * HV + i_hv) * K + o_k"],
-        lines=[f"b_{name} = tl.load({p}, mask=m_k, other=0.0).to(tl.float32)"],
+        lines=[f"b_{name} = tl.load({p}, mask=m_k, other=0.0).to(ACC)"],
         advance=[f"{p} += HV * K"],
     )
 
@@ -93,7 +93,7 @@ def _normalize(op: NormalizeL2, prog: StepProgram) -> Emission:
 def _formula(op: Formula, prog: StepProgram) -> Emission:
     lines = [f"# {op.target} = {op.expr}"]
     if HEAD_INDEX in op.expr.free_symbols:
-        lines.append("f_hv = i_hv.to(tl.float32)  # the value-head index h")
+        lines.append("f_hv = i_hv.to(ACC)  # the value-head index h")
     lines.append(f"{op.target} = {to_triton(op.expr, formula_names(prog))}")
     return Emission(lines)
 

@@ -214,10 +214,59 @@ class UnitLowerInverse(ChunkOp):
 
 
 @dataclass(frozen=True)
+class ReduceSum(ChunkOp):
+    """x summed over the given axes (positions in x's shape); the backward's adjoint of Broadcast."""
+
+    x: str
+    axes: tuple[int, ...]
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"sum({self.x}, axes={list(self.axes)})"
+
+
+@dataclass(frozen=True)
+class PlaceLastRow(ChunkOp):
+    """A C-row tile that is x on the last row and 0 elsewhere: the adjoint of LastRow."""
+
+    x: str
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"on_last_row({self.x})"
+
+
+@dataclass(frozen=True)
+class NormalizeGrad(ChunkOp):
+    """The adjoint of Normalize: with y = x r, r = 1/sqrt(sum x^2 + 1e-6),
+    dx = r (dy - y * rowsum(y * dy)); dx = dy when use_qk_l2norm_in_kernel is off."""
+
+    x: str
+    dy: str
+
+    def args(self):
+        return (self.x, self.dy)
+
+    def describe(self):
+        return f"l2norm_rows_grad({self.x}, {self.dy})   [dy if not use_qk_l2norm_in_kernel]"
+
+
+# Load sources besides q, k, v, scale, h and declared inputs:
+COTANGENT = "dO"  # the output's gradient, C x V
+SAVED = "saved:"  # prefix: a value the forward pass stored (entry states, W, U, ...)
+
+
+@dataclass(frozen=True)
 class ChunkProgram:
     recurrence: Recurrence
     ops: tuple[ChunkOp, ...]
-    outputs: tuple[tuple[str, str], ...]  # ("o", value), ("state", value)
+    # forward: ("o", O), ("state", exit state); backward: ("state", dH) and ("grad:<input>", d<input>)
+    outputs: tuple[tuple[str, str], ...]
+    direction: str = "forward"  # "backward": the entry state is dH of the next chunk, the scan runs in reverse
 
     def op(self, name: str) -> ChunkOp:
         for op in self.ops:
@@ -232,13 +281,22 @@ class ChunkProgram:
         return dict(self.outputs)[role]
 
     @property
+    def results(self) -> tuple[tuple[str, str], ...]:
+        """(role, value) of every output but the exit state: o, or the gradients."""
+        return tuple((role, value) for role, value in self.outputs if role != "state")
+
+    @property
     def state_in(self) -> str:
         return next(op.out for op in self.ops if isinstance(op, StateIn))
 
     def describe(self) -> str:
         r = self.recurrence
         width = max(len(op.out) for op in self.ops)
-        lines = [f"chunk program {r.name}   (one chunk of C rows, one value head; entry state H: K x V; log2 units)"]
+        if self.direction == "backward":
+            lines = [f"backward chunk program {r.name}   (one chunk, one value head; reverse scan carries "
+                     f"{self.state_in}: K x V; saved: forward buffers)"]
+        else:
+            lines = [f"chunk program {r.name}   (one chunk of C rows, one value head; entry state H: K x V; log2 units)"]
         for op in self.ops:
             lines.append(f"  {op.out:<{width}} : {shape_text(op.shape):<5} = {op.describe()}")
         lines.append("  outputs: " + ", ".join(f"{role} = {name}" for role, name in self.outputs))
@@ -255,3 +313,8 @@ class NoChunkForm:
 
     def describe(self) -> str:
         return f"no chunk form for {self.recurrence.name}: {self.reason}"
+
+
+def result_param(role: str) -> str:
+    """The kernel parameter (and module variable) an output role is written to: o, d_q, d_beta, ..."""
+    return "o" if role == "o" else "d_" + role.split(":", 1)[1]

@@ -29,6 +29,9 @@ from .chunk import (
     MaskRows,
     MatMul,
     Normalize,
+    NormalizeGrad,
+    PlaceLastRow,
+    ReduceSum,
     StateIn,
     UnitLowerInverse,
 )
@@ -95,6 +98,21 @@ def _t_matmul(op: MatMul, env, ctx):
     return a @ b
 
 
+def _t_normalize_grad(op: NormalizeGrad, env, ctx):
+    x, dy = env[op.x], env[op.dy]
+    if not ctx.l2norm:
+        return dy
+    r = 1 / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    y = x * r
+    return r * (dy - y * (y * dy).sum(-1, keepdim=True))
+
+
+def _t_place_last_row(op: PlaceLastRow, env, ctx):
+    out = torch.zeros(ctx.dims(op.shape), dtype=torch.float64)
+    out[-1] = env[op.x]
+    return out
+
+
 TORCH_RULES = {
     Load: lambda op, env, ctx: env[op.out],
     StateIn: lambda op, env, ctx: env[op.out],
@@ -108,6 +126,9 @@ TORCH_RULES = {
     Mask: lambda op, env, ctx: torch.where(_lower(env[op.x].shape[0], op.inclusive), env[op.x], 0.0),
     MatMul: _t_matmul,
     UnitLowerInverse: lambda op, env, ctx: torch.linalg.inv(torch.eye(env[op.a].shape[0], dtype=torch.float64) + env[op.a]),
+    ReduceSum: lambda op, env, ctx: env[op.x].sum(dim=op.axes) if op.axes else env[op.x],
+    PlaceLastRow: _t_place_last_row,
+    NormalizeGrad: _t_normalize_grad,
 }
 
 
@@ -205,6 +226,27 @@ def _s_normalize(op: Normalize, env, ctx):
     return env[op.x]
 
 
+def _s_reduce_sum(op: ReduceSum, env, ctx):
+    x, source = env[op.x], ctx.shapes[op.x]
+    if op.shape == ():
+        return sum(x) if isinstance(x, sympy.MatrixBase) else x
+    if source == ("C", "C"):  # row sums (axis 1) or column sums (axis 0), as a C x 1 vector
+        if op.axes == (1,):
+            return sympy.Matrix(x.rows, 1, lambda i, j: sum(x[i, c] for c in range(x.cols)))
+        return sympy.Matrix(x.cols, 1, lambda i, j: sum(x[r, i] for r in range(x.rows)))
+    if op.shape == ("C",):  # C x N summed over its columns
+        return sympy.Matrix(x.rows, 1, lambda i, j: sum(x[i, c] for c in range(x.cols)))
+    return sympy.Matrix(1, x.cols, lambda i, j: sum(x[r, j] for r in range(x.rows)))  # over rows
+
+
+def _s_place_last_row(op: PlaceLastRow, env, ctx):
+    x = env[op.x]
+    C = ctx.sizes["C"]
+    if op.shape == ("C",):
+        return sympy.Matrix(C, 1, lambda i, j: x if i == C - 1 else 0)
+    return sympy.Matrix(C, x.cols, lambda i, j: x[0, j] if i == C - 1 else 0)
+
+
 SYMPY_RULES = {
     Load: lambda op, env, ctx: env[op.out],
     StateIn: lambda op, env, ctx: env[op.out],
@@ -218,6 +260,9 @@ SYMPY_RULES = {
     Mask: _s_mask,
     MatMul: _s_matmul,
     UnitLowerInverse: lambda op, env, ctx: (sympy.eye(env[op.a].rows) + env[op.a]).inv(),
+    ReduceSum: _s_reduce_sum,
+    PlaceLastRow: _s_place_last_row,
+    NormalizeGrad: lambda op, env, ctx: env[op.dy],  # the proof runs with the L2 norm off
 }
 
 

@@ -133,3 +133,50 @@ class ChunkPlans:
         lines = [f"kernel plans {self.graph.program.recurrence.name} (default: {self.default})"]
         lines += [p.describe() for p in self.plans]
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """What the backward gets from the forward call and what it recomputes, per forward plan."""
+
+    name: str
+    summary: str
+    kept: tuple[tuple[str, tuple[str, ...]], ...]  # (forward plan, buffers kept from the forward call)
+    rerun: tuple[tuple[str, tuple[str, ...]], ...]  # (forward plan, forward kernels the backward re-runs)
+
+    def kept_by(self, plan: str) -> tuple[str, ...]:
+        return dict(self.kept)[plan]
+
+    def rerun_by(self, plan: str) -> tuple[str, ...]:
+        return dict(self.rerun)[plan]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The backward's kernels and, per save policy, how it obtains the forward values it reads."""
+
+    forward: ChunkPlans
+    backward: ChunkPlans
+    reads: tuple[str, ...]  # forward buffers the backward program loads
+    policies: tuple[SavePolicy, ...]  # the first is the default
+
+    @property
+    def default_policy(self) -> str:
+        return self.policies[0].name
+
+    def policy(self, name: str) -> SavePolicy:
+        return next(p for p in self.policies if p.name == name)
+
+    def describe(self) -> str:
+        lines = [self.backward.describe().replace("kernel plans", "backward kernel plans", 1)]
+        lines.append(f"forward values the backward reads: {', '.join(self.reads) or '-'}")
+        lines.append(f"save policies (default: {self.default_policy}):")
+        for policy in self.policies:
+            lines.append(f"  {policy.name}: {policy.summary}")
+            for plan, kept in policy.kept:
+                rerun = policy.rerun_by(plan)
+                lines.append(
+                    f"    forward plan {plan}: keep {', '.join(kept) or 'nothing'}; "
+                    f"backward re-runs {', '.join(rerun) or 'nothing'}"
+                )
+        return "\n".join(lines)

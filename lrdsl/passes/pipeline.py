@@ -9,9 +9,11 @@ from typing import Callable
 
 from ..spec import Spec
 from .canonicalize import canonicalize
+from .autodiff import autodiff
 from .derive_chunk import derive_chunk
 from .derive_step import derive_step
 from .plan import plan_kernels
+from .save_policy import choose_saved
 from .stage_graph import build_stage_graph
 from .verify import verify
 
@@ -19,9 +21,13 @@ from .verify import verify
 @dataclass(frozen=True)
 class Pass:
     name: str  # the stage this pass produces
-    source: str  # the stage it reads
+    source: str | tuple[str, ...]  # the stage(s) it reads
     run: Callable
     why: str
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else self.source
 
 
 PASSES: tuple[Pass, ...] = (
@@ -30,6 +36,10 @@ PASSES: tuple[Pass, ...] = (
     Pass("chunk", "recurrence", derive_chunk, "the chunkwise form also follows from the recurrence alone"),
     Pass("stages", "chunk", build_stage_graph, "phases need the whole chunk program: what reads the entry state, what leads to the exit"),
     Pass("plan", "stages", plan_kernels, "grouping into kernels needs the phases and which values are costly to recompute"),
+    Pass("backward", "plan", autodiff, "after planning: the backward reads back what the forward plans store instead of recomputing it"),
+    Pass("backward_stages", "backward", build_stage_graph, "the backward is a chunk program like the forward: the same phases, its scan in reverse"),
+    Pass("backward_plan", "backward_stages", plan_kernels, "the same kernel grouping rules as the forward"),
+    Pass("save", ("plan", "backward_plan"), choose_saved, "last: what to keep from the forward depends on both sides' kernels"),
 )
 
 STAGES: tuple[str, ...] = ("spec",) + tuple(p.name for p in PASSES)
@@ -43,7 +53,7 @@ def run_pipeline(spec: Spec, until: str | None = None, check: bool = False) -> d
     for p in PASSES:
         if until in stages:
             break
-        stages[p.name] = p.run(stages[p.source])
+        stages[p.name] = p.run(*(stages[s] for s in p.sources))
         if check:
             verify(stages[p.name])
     return stages

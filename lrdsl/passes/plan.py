@@ -1,13 +1,16 @@
 """plan: StageGraph -> kernel plans (which ops run in which kernel, what goes through memory).
 
 Rules, in the order they apply:
- 1. The scan kernel runs the scan phase, the output kernel the output phase.
+ 1. The scan kernel runs the scan phase, the output kernel the output phase (o, or in a backward
+    program every gradient).
  2. A value a kernel needs but does not compute is recomputed there when it is cheap (loads,
     elementwise ops, cumsums: no matmul or solve among its ancestors); otherwise it crosses
     kernels through a buffer.
- 3. Expensive prepare values the scan needs are computed by prepare kernels and stored.
-    Expensive prepare values only the output needs are computed in the output kernel.
- 4. The entry state and scan values the output reads are stored by the scan kernel.
+ 3. Expensive prepare values the scan needs are computed by prepare kernels and stored, but
+    for K x V values (as large as a state), which the scan recomputes. Expensive prepare values
+    only the output needs are computed in the output kernel.
+ 4. The entry state and scan values the output reads are stored by the scan kernel; a scan
+    value that is an elementwise function of one other tile is recomputed from that tile.
  5. A triangular solve works from memory: its input is stored before it, its result is stored
     by it (16 x 16 blocks are loaded, solved and merged).
 The plans differ in rule 3's grouping:
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from ..ir.chunk import ChunkProgram, NoChunkForm, UnitLowerInverse
+from ..ir.chunk import ChunkProgram, Formula, NoChunkForm, UnitLowerInverse
 from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
 
 PLAN_SUMMARIES = {
@@ -59,17 +62,25 @@ class _Planner:
 
     def plan(self, name: str) -> Plan:
         phase = self.stages.phase
-        exit_state, output = self.prog.output("state"), self.prog.output("o")
+        exit_state = self.prog.output("state")
+        results = [value for _, value in self.prog.results]
         scan_values = {v for v, p in self.stages.phases if p == "scan"}
 
         # rules 2, 3, 5: what must live in memory before the scan
         solves = [op for op in self.prog.ops if isinstance(op, UnitLowerInverse)]
-        prepared = sorted((v for v in self.inputs_of(scan_values) if not self.cheap(v)), key=self.order.get)
+        # a K x V value is as large as a state: the scan recomputes it rather than reading it
+        prepared = sorted(
+            (v for v in self.inputs_of(scan_values) if not self.cheap(v) and self.prog.shape(v) != ("K", "V")),
+            key=self.order.get,
+        )
         memory = set(prepared) | {op.a for op in solves} | {op.out for op in solves}
 
         # rules 1, 4: the output kernel loads scan values (the entry state among them) and stored
         # values; everything else it needs it evaluates itself
-        output_computes = self.closure([output], memory | scan_values)
+        # a scan value that is an elementwise function of one other tile (d = -x, d = x) is
+        # recomputed from that tile rather than stored beside it
+        recomputable = {v for v in scan_values if self.follows_one_tile(v)}
+        output_computes = self.closure(results, memory | (scan_values - recomputable))
         scan_stores = sorted((v for v in self.inputs_of(output_computes) if phase(v) == "scan"), key=self.order.get)
         scan_computes = self.closure([exit_state], memory)
 
@@ -84,6 +95,16 @@ class _Planner:
             for v in sorted(stored, key=self.order.get)
         )
         return Plan(name, PLAN_SUMMARIES[name], tuple(kernels), buffers)
+
+    def follows_one_tile(self, value: str) -> bool:
+        op = self.prog.op(value)
+        if not isinstance(op, Formula):
+            return False
+        tiles = [a for a in op.args() if self.prog.shape(a) == op.shape]
+        scalars = [a for a in op.args() if self.prog.shape(a) == ()]
+        return len(tiles) == 1 and len(tiles) + len(scalars) == len(op.args()) and all(
+            self.stages.phase(a) == "prepare" for a in scalars
+        )
 
     def kernel(self, name: str, kind: str, computes: list[str], stores: list[str]) -> Kernel:
         loads = sorted(self.inputs_of(computes), key=self.order.get)

@@ -15,14 +15,18 @@ from ..ir.chunk import (
     Load,
     Mask,
     MaskRows,
+    SAVED,
     MatMul,
     NoChunkForm,
     Normalize,
+    NormalizeGrad,
+    PlaceLastRow,
+    ReduceSum,
     StateIn,
     UnitLowerInverse,
 )
 from ..ir.formula import HEAD_INDEX
-from ..ir.plan import ChunkPlans, StageGraph
+from ..ir.plan import BackwardPlan, ChunkPlans, StageGraph
 from ..ir.recurrence import GateKind, Recurrence
 from ..ir.step import DecayState, DeltaResidual, Formula, PredictValue, ReadOutput, ScaleValue, StepProgram, WriteState
 
@@ -101,7 +105,7 @@ def verify_step_program(prog: StepProgram) -> None:
 
 # -- chunk programs ----------------------------------------------------------------------------
 
-_LOAD_SHAPES = {"q": ("C", "K"), "k": ("C", "K"), "v": ("C", "V"), "scale": (), "h": ()}
+_LOAD_SHAPES = {"q": ("C", "K"), "k": ("C", "K"), "v": ("C", "V"), "scale": (), "h": (), "dO": ("C", "V")}
 _INPUT_SHAPES = {"token": ("C",), "token_key": ("C", "K"), "head": (), "head_key": ("K",)}
 
 
@@ -119,6 +123,8 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
     if isinstance(op, Load):
         if op.source in _LOAD_SHAPES:
             return _LOAD_SHAPES[op.source]
+        if op.source.startswith(SAVED):
+            return None  # a forward value read back: its shape is the forward's
         return _INPUT_SHAPES[rec.input(op.source).role.value]
     if isinstance(op, StateIn):
         return ("K", "V")
@@ -132,6 +138,12 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
         return _matmul_shape(op, shapes)
     if isinstance(op, UnitLowerInverse):
         return ("C", "C")
+    if isinstance(op, NormalizeGrad):
+        return shapes[op.x]
+    if isinstance(op, PlaceLastRow):
+        return ("C",) + shapes[op.x]
+    if isinstance(op, ReduceSum):
+        return tuple(a for i, a in enumerate(shapes[op.x]) if i not in op.axes)
     return None
 
 
@@ -169,11 +181,21 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
     kinds = [type(op) for op in prog.ops]
     _require(kinds.count(StateIn) == 1, f"{rec.name}: a chunk program has exactly one entry state")
     roles = dict(prog.outputs)
-    _require(set(roles) == {"o", "state"}, f"{rec.name}: outputs must be o and state, got {sorted(roles)}")
-    _require(shapes.get(roles.get("o")) == ("C", "V"), f"{rec.name}: the output o must be C x V")
     _require(shapes.get(roles.get("state")) == ("K", "V"), f"{rec.name}: the exit state must be K x V")
-    _require((UnitLowerInverse in kinds) == rec.is_delta, f"{rec.name}: a triangular system belongs to the delta rule only")
-    _require((DecayMatrix in kinds) == rec.has_gate, f"{rec.name}: decay matrices belong to gated recurrences only")
+    if prog.direction == "forward":
+        _require(set(roles) == {"o", "state"}, f"{rec.name}: outputs must be o and state, got {sorted(roles)}")
+        _require(shapes.get(roles.get("o")) == ("C", "V"), f"{rec.name}: the output o must be C x V")
+        _require((UnitLowerInverse in kinds) == rec.is_delta, f"{rec.name}: a triangular system belongs to the delta rule only")
+        _require((DecayMatrix in kinds) == rec.has_gate, f"{rec.name}: decay matrices belong to gated recurrences only")
+        return
+    _require(prog.direction == "backward", f"{rec.name}: unknown direction {prog.direction!r}")
+    loads = {op.source: op.shape for op in prog.ops if isinstance(op, Load)}
+    for role, value in prog.results:
+        _require(role.startswith("grad:"), f"{rec.name}: a backward program outputs gradients, got {role}")
+        source = role[len("grad:"):]
+        _require(source in loads, f"{rec.name}: gradient of {source}, which the program does not load")
+        _require(shapes[value] == loads[source], f"{rec.name}: d{source} has shape {shapes[value]}, {source} {loads[source]}")
+    _require(UnitLowerInverse not in kinds, f"{rec.name}: the backward reads the solved system back, it never solves")
 
 
 @verifies(NoChunkForm)
@@ -218,7 +240,8 @@ def verify_chunk_plans(plans: ChunkPlans) -> None:
         scans = [k for k in plan.kernels if k.kind == "scan"]
         _require(len(scans) == 1, f"{where}: exactly one scan kernel")
         _require(prog.output("state") in scans[0].computes, f"{where}: the scan computes the exit state")
-        _require(sum(prog.output("o") in k.computes for k in plan.kernels) == 1, f"{where}: one kernel writes o")
+        for role, value in prog.results:
+            _require(sum(value in k.computes for k in plan.kernels) >= 1, f"{where}: no kernel computes {role}")
         for kernel in plan.kernels:
             for value in kernel.loads:
                 _require(value in stored, f"{where}: kernel {kernel.name} reads {value} before any kernel stores it")
@@ -233,3 +256,23 @@ def verify_chunk_plans(plans: ChunkPlans) -> None:
                 _require(value in available and value in buffers, f"{where}: kernel {kernel.name} stores {value} it lacks")
             stored |= set(kernel.stores)
         _require(buffers == stored, f"{where}: buffers {sorted(buffers)} but kernels store {sorted(stored)}")
+
+
+@verifies(BackwardPlan)
+def verify_backward_plan(item: BackwardPlan) -> None:
+    verify_chunk_plans(item.forward)
+    verify_chunk_plans(item.backward)
+    name = item.forward.graph.program.recurrence.name
+    _require(item.backward.graph.program.direction == "backward", f"{name}: the backward plans must plan a backward program")
+    for policy in item.policies:
+        for plan in item.forward.plans:
+            kept, rerun = set(policy.kept_by(plan.name)), policy.rerun_by(plan.name)
+            produced = set(kept)
+            for kernel in plan.kernels:
+                if kernel.name not in rerun:
+                    continue
+                missing = [v for v in kernel.loads if v not in produced]
+                _require(not missing, f"{name} policy {policy.name}: re-run {kernel.name} lacks {missing}")
+                produced |= set(kernel.stores)
+            lacking = [v for v in item.reads if v not in produced]
+            _require(not lacking, f"{name} policy {policy.name}, plan {plan.name}: the backward lacks {lacking}")

@@ -1,0 +1,249 @@
+"""autodiff: forward chunk program -> backward chunk program, by reverse-mode AD over its tile ops.
+
+Per chunk the forward maps (inputs, entry state H) to (O, exit state H'). Its vector-Jacobian
+product maps (dO, dH') to (d inputs, dH): that is the backward chunk program. Run over the chunks
+in reverse, each dH feeding the previous chunk's dH', seeded by the final-state gradient dht and
+ending in dh0, it is the whole backward (DESIGN.md section 3).
+
+The backward program first repeats the forward ops it needs. Values the forward plans store in
+memory (entry states H, W, U, the solved system, the residuals) are read back (`saved:` loads)
+instead of recomputed here; whether they are kept from the forward call or recomputed by
+re-running the forward kernels is the save_policy pass's choice. Then, in reverse program order,
+each op's adjoint rule (ADJOINTS) turns the gradient of its output into contributions to the
+gradients of its inputs; a value read by several ops sums its contributions. Ops that no output
+needs are dropped.
+
+Adjoint rules: elementwise formulas by sympy.diff; a broadcast sums back; cumsum -> reverse cumsum;
+last row -> placed on the last row; exp2(G_i - G_j) -> ln2 * (row sums - column sums) of dD * D;
+masks mask; matmuls transpose; X = (I + A)^-1 -> dA = StrictLower(-X^T dX X^T); the L2 norm ->
+its Jacobian-vector product.
+"""
+from __future__ import annotations
+
+import sympy
+
+from ..ir.chunk import (
+    COTANGENT,
+    SAVED,
+    Broadcast,
+    ChunkOp,
+    ChunkProgram,
+    Cumsum,
+    DecayMatrix,
+    Formula,
+    LastRow,
+    Load,
+    Mask,
+    MaskRows,
+    MatMul,
+    NoChunkForm,
+    Normalize,
+    NormalizeGrad,
+    PlaceLastRow,
+    ReduceSum,
+    StateIn,
+    UnitLowerInverse,
+)
+from ..ir.plan import ChunkPlans
+from .derive_chunk import Builder
+
+NOT_DIFFERENTIABLE = ("scale", "h")  # Load sources that take no gradient
+LN2 = sympy.log(2)
+
+ADJOINTS = {}
+
+
+def adjoint(op_type):
+    def register(fn):
+        ADJOINTS[op_type] = fn
+        return fn
+
+    return register
+
+
+class Sweep:
+    """The reverse sweep's state: the builder and each value's gradient contributions."""
+
+    def __init__(self, prog: ChunkProgram, builder: Builder):
+        self.prog = prog
+        self.b = builder
+        self.contributions: dict[str, list[str]] = {}
+
+    def shape(self, name: str):
+        return self.b.shapes[name]
+
+    def contribute(self, value: str, gradient: str) -> None:
+        self.contributions.setdefault(value, []).append(gradient)
+
+    def gradient(self, value: str) -> str | None:
+        """The summed gradient of `value`, or None if nothing depends on it."""
+        parts = self.contributions.get(value)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return str(self.b.formula(f"d_{value}", sum(sympy.Symbol(p) for p in parts), self.shape(value)))
+
+    def name(self, arg: str, op: ChunkOp) -> str:
+        return self.b.fresh(f"d_{arg}_via_{op.out}")
+
+
+def reduce_to(sweep: Sweep, value: str, shape, name: str) -> str:
+    """Sum `value` down to `shape` (its broadcast source shape)."""
+    source = sweep.shape(value)
+    if source == shape:
+        return value
+    if shape == ():
+        axes = tuple(range(len(source)))
+    elif shape == ("C",):
+        axes = tuple(range(1, len(source)))
+    else:  # a K- or V-vector spread along the rows
+        axes = (0,)
+    return str(sweep.b.add(ReduceSum(name, shape, value, axes)))
+
+
+@adjoint(Formula)
+def _formula(op: Formula, dy: str, sweep: Sweep):
+    for symbol in sorted(op.expr.free_symbols, key=str):
+        arg = str(symbol)
+        partial = sympy.diff(op.expr, symbol)
+        if partial == 0:
+            continue
+        name = sweep.name(arg, op)
+        if sweep.shape(arg) == op.shape:
+            yield arg, str(sweep.b.formula(name, sympy.Symbol(dy) * partial, op.shape))
+            continue
+        # a scalar read by a tile: its gradient sums over the tile (rows past the end included,
+        # where every gradient is 0 because their inputs are)
+        spread = str(sweep.b.formula(f"{name}_tile", sympy.Symbol(dy) * partial, op.shape))
+        yield arg, reduce_to(sweep, spread, sweep.shape(arg), name)
+
+
+@adjoint(Broadcast)
+def _broadcast(op: Broadcast, dy: str, sweep: Sweep):
+    yield op.x, reduce_to(sweep, dy, sweep.shape(op.x), sweep.name(op.x, op))
+
+
+@adjoint(MaskRows)
+def _mask_rows(op: MaskRows, dy: str, sweep: Sweep):
+    yield op.x, str(sweep.b.add(MaskRows(sweep.name(op.x, op), op.shape, dy)))
+
+
+@adjoint(Cumsum)
+def _cumsum(op: Cumsum, dy: str, sweep: Sweep):
+    yield op.x, str(sweep.b.add(Cumsum(sweep.name(op.x, op), op.shape, dy, reverse=not op.reverse)))
+
+
+@adjoint(LastRow)
+def _last_row(op: LastRow, dy: str, sweep: Sweep):
+    yield op.x, str(sweep.b.add(PlaceLastRow(sweep.name(op.x, op), sweep.shape(op.x), dy)))
+
+
+@adjoint(DecayMatrix)
+def _decay(op: DecayMatrix, dy: str, sweep: Sweep):
+    # D_ij = exp2(x_i - x_j): dx_i += ln2 sum_j dD_ij D_ij, dx_j -= ln2 sum_i dD_ij D_ij
+    b = sweep.b
+    weighted = b.formula(b.fresh(f"{dy}_times_{op.out}"), sympy.Symbol(dy) * sympy.Symbol(op.out) * LN2, ("C", "C"))
+    rows = b.add(ReduceSum(b.fresh(f"{weighted}_rowsum"), ("C",), str(weighted), (1,)))
+    cols = b.add(ReduceSum(b.fresh(f"{weighted}_colsum"), ("C",), str(weighted), (0,)))
+    yield op.x, str(b.formula(sweep.name(op.x, op), rows - cols, ("C",)))
+
+
+@adjoint(Mask)
+def _mask(op: Mask, dy: str, sweep: Sweep):
+    yield op.x, str(sweep.b.add(Mask(sweep.name(op.x, op), op.shape, dy, op.inclusive)))
+
+
+@adjoint(MatMul)
+def _matmul(op: MatMul, dy: str, sweep: Sweep):
+    b = sweep.b
+    a_shape, b_shape = sweep.shape(op.a), sweep.shape(op.b)
+    # C = op(a) op(b):  d op(a) = dC op(b)^T,  d op(b) = op(a)^T dC
+    if op.transpose_a:
+        da = MatMul(sweep.name(op.a, op), a_shape, op.b, dy, transpose_a=op.transpose_b, transpose_b=True)
+    else:
+        da = MatMul(sweep.name(op.a, op), a_shape, dy, op.b, transpose_b=not op.transpose_b)
+    yield op.a, str(b.add(da))
+    if op.transpose_b:
+        db = MatMul(sweep.name(op.b, op), b_shape, dy, op.a, transpose_a=True, transpose_b=op.transpose_a)
+    else:
+        db = MatMul(sweep.name(op.b, op), b_shape, op.a, dy, transpose_a=not op.transpose_a)
+    yield op.b, str(b.add(db))
+
+
+@adjoint(UnitLowerInverse)
+def _inverse(op: UnitLowerInverse, dy: str, sweep: Sweep):
+    # X = (I + A)^-1: dA = -X^T dX X^T, on the strict lower triangle (A's only free entries)
+    b = sweep.b
+    left = b.add(MatMul(b.fresh(f"{op.out}T_{dy}"), ("C", "C"), op.out, dy, transpose_a=True))
+    both = b.add(MatMul(b.fresh(f"{left}_{op.out}T"), ("C", "C"), str(left), op.out, transpose_b=True))
+    negated = b.formula(b.fresh(f"minus_{both}"), -both, ("C", "C"))
+    yield op.a, str(b.add(Mask(sweep.name(op.a, op), ("C", "C"), str(negated), inclusive=False)))
+
+
+@adjoint(Normalize)
+def _normalize(op: Normalize, dy: str, sweep: Sweep):
+    yield op.x, str(sweep.b.add(NormalizeGrad(sweep.name(op.x, op), op.shape, op.x, dy)))
+
+
+def _saved_values(plans: ChunkPlans) -> set[str]:
+    """Forward values every plan keeps in memory: the backward reads them instead of recomputing."""
+    sets = [{b.value for b in plan.buffers} for plan in plans.plans]
+    return set.intersection(*sets)
+
+
+def autodiff(plans: ChunkPlans | NoChunkForm) -> ChunkProgram | NoChunkForm:
+    if isinstance(plans, NoChunkForm):
+        return plans
+    forward = plans.graph.program
+    saved = _saved_values(plans)
+    b = Builder()
+    # the forward values, recomputed or read back; the forward's names are kept
+    for op in forward.ops:
+        if op.out in saved:
+            b.add(Load(op.out, op.shape, SAVED + op.out))
+        else:
+            b.add(op)
+    sweep = Sweep(forward, b)
+    sweep.contribute(forward.output("o"), str(b.load(COTANGENT, ("C", "V"), "d_" + forward.output("o"))))
+    d_state = b.add(StateIn(b.fresh("d_" + forward.output("state")), ("K", "V")))
+    sweep.contribute(forward.output("state"), str(d_state))
+
+    outputs = []
+    for op in reversed(forward.ops):
+        dy = sweep.gradient(op.out)
+        if dy is None:
+            continue
+        if isinstance(op, StateIn):
+            outputs.insert(0, ("state", dy))
+        elif isinstance(op, Load):
+            if op.source not in NOT_DIFFERENTIABLE:
+                outputs.append((f"grad:{op.source}", dy))
+        else:
+            for arg, contribution in ADJOINTS[type(op)](op, dy, sweep):
+                sweep.contribute(arg, contribution)
+    outputs = _order_outputs(forward, outputs)
+    return ChunkProgram(forward.recurrence, _live_ops(b.ops, [v for _, v in outputs]), tuple(outputs), "backward")
+
+
+def _order_outputs(forward: ChunkProgram, outputs):
+    """state first, then gradients in the order of the call's inputs."""
+    order = ["q", "k", "v"] + [i.name for i in forward.recurrence.inputs]
+    grads = {role: value for role, value in outputs}
+    ordered = [("state", grads.pop("state"))]
+    ordered += [(f"grad:{n}", grads.pop(f"grad:{n}")) for n in order if f"grad:{n}" in grads]
+    assert not grads, grads
+    return tuple(ordered)
+
+
+def _live_ops(ops: list[ChunkOp], roots: list[str]) -> tuple[ChunkOp, ...]:
+    """Dead-code elimination: the ops some output needs, in program order."""
+    by_name = {op.out: op for op in ops}
+    live, stack = set(), list(roots)
+    while stack:
+        value = stack.pop()
+        if value in live:
+            continue
+        live.add(value)
+        stack.extend(by_name[value].args())
+    return tuple(op for op in ops if op.out in live)
