@@ -103,19 +103,27 @@ def cmd_check(args) -> int:
 def _prove(spec_path: str) -> int:
     from .ir.chunk import NoChunkForm
     from .passes.pipeline import run_pipeline
-    from .prove import prove
+    from .prove import prove, prove_backward
     from .spec import load_spec
 
-    prog = run_pipeline(load_spec(spec_path), until="chunk")["chunk"]
+    stages = run_pipeline(load_spec(spec_path), until="backward")
+    prog = stages["chunk"]
     if isinstance(prog, NoChunkForm):
         raise LrdslError(prog.describe())
-    print(f"{prog.recurrence.name}: chunk program == unrolled recurrence, symbolically (K = V = 2)")
     failed = 0
-    for result in prove(prog):
-        status = "proved" if result.ok else "FAILED at " + ", ".join(result.failures)
-        tail = " (last chunk of a sequence)" if result.rows < result.C else ""
-        print(f"  C = {result.C}, {result.rows} rows{tail}: {result.entries} entries of O and the exit state: {status}")
-        failed += not result.ok
+
+    def report(results, what):
+        nonlocal failed
+        for result in results:
+            status = "proved" if result.ok else "FAILED at " + ", ".join(result.failures)
+            tail = " (last chunk of a sequence)" if result.rows < result.C else ""
+            print(f"  C = {result.C}, {result.rows} rows{tail}: {result.entries} {what}: {status}")
+            failed += not result.ok
+
+    print(f"{prog.recurrence.name}: chunk program == unrolled recurrence, symbolically (K = V = 2)")
+    report(prove(prog), "entries of O and the exit state")
+    print(f"{prog.recurrence.name}: backward chunk program == sympy.diff of the unrolled recurrence")
+    report(prove_backward(prog, stages["backward"]), "gradient entries")
     return 1 if failed else 0
 
 

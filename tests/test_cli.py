@@ -106,7 +106,8 @@ def test_check_passes_and_prints_table():
 def test_check_prove():
     result = run(["check", "specs/deltanet.toml", "--prove"])
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count(": proved") == 3 and "(last chunk of a sequence)" in result.stdout
+    assert result.stdout.count(": proved") == 5 and "(last chunk of a sequence)" in result.stdout
+    assert "gradient entries: proved" in result.stdout
 
 
 def test_check_prove_without_chunk_form():

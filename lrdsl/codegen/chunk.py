@@ -204,6 +204,12 @@ def _broadcast(op: Broadcast, ctx: KernelContext) -> list[str]:
 
 @CHUNK_EMITTERS.register(Cumsum)
 def _cumsum(op: Cumsum, ctx: KernelContext) -> list[str]:
+    if op.exclusive:
+        if op.shape != ("C",):
+            raise CompileError(f"exclusive cumsum of a {op.shape} tile is not emitted yet")
+        # sum_{j < i} x_j (or j > i): a masked C x C sum, exact where inclusive-minus-x would cancel
+        rows_before = "o_c[None, :] > o_c[:, None]" if op.reverse else "o_c[None, :] < o_c[:, None]"
+        return [f"{var(op.out)} = tl.sum(tl.where({rows_before}, {var(op.x)}[None, :], 0.0), axis=1)"]
     reverse = ", reverse=True" if op.reverse else ""
     return [f"{var(op.out)} = tl.cumsum({var(op.x)}, axis=0{reverse})"]
 

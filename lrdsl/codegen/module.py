@@ -28,10 +28,12 @@ def _extras_tuple(rec: Recurrence) -> str:
     return ", ".join(names) + ("," if len(names) == 1 else "")
 
 
-def emit_recurrent_section(step: StepProgram) -> str:
+def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> str:
     rec = step.recurrence
     return render(
         "recurrent_api.py.jinja",
+        has_chunk=no_chunk_reason is None,
+        no_chunk_reason=no_chunk_reason or "",
         kernel=emit_recurrent_kernel(step),
         kernel_name=kernel_name(step),
         spec_name=rec.name,
@@ -46,8 +48,10 @@ def emit_module(stages: dict, spec_path: str) -> str:
     rec: Recurrence = stages["recurrence"]
     signature_tail = "scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False"
     signatures = [f"recurrent({_positional(rec)}, {signature_tail}) -> (o, final_state | None)"]
-    sections = [emit_recurrent_section(stages["step"])]
+    if not isinstance(stages["save"], NoChunkForm):
+        signatures[0] += "   [differentiable]"
     plans = stages["save"]
+    sections = [emit_recurrent_section(stages["step"], plans.reason if isinstance(plans, NoChunkForm) else None)]
     if isinstance(plans, NoChunkForm):
         signatures.append(f"chunk: not generated ({plans.reason})")
     else:

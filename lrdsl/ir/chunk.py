@@ -118,16 +118,20 @@ class Broadcast(ChunkOp):
 
 @dataclass(frozen=True)
 class Cumsum(ChunkOp):
-    """Inclusive prefix sum over the rows of the chunk (reverse: suffix sum)."""
+    """Prefix sum over the rows of the chunk (reverse: suffix sum); inclusive, or exclusive of
+    the row itself. An exclusive sum is summed directly, never as inclusive minus the row, so a
+    suffix that should be 0 is exactly 0 (its gradient would otherwise cancel large terms)."""
 
     x: str
     reverse: bool = False
+    exclusive: bool = False
 
     def args(self):
         return (self.x,)
 
     def describe(self):
-        return f"{'reverse_' if self.reverse else ''}cumsum({self.x})"
+        kind = ("reverse_" if self.reverse else "") + ("exclusive_" if self.exclusive else "")
+        return f"{kind}cumsum({self.x})"
 
 
 @dataclass(frozen=True)

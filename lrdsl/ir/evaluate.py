@@ -89,7 +89,11 @@ def _t_decay(op: DecayMatrix, env, ctx):
 
 def _t_cumsum(op: Cumsum, env, ctx):
     x = env[op.x]
-    return torch.cumsum(x.flip(0), 0).flip(0) if op.reverse else torch.cumsum(x, 0)
+    x = x.flip(0) if op.reverse else x
+    out = torch.cumsum(x, 0)
+    if op.exclusive:  # shifted by one row, exactly
+        out = torch.cat([torch.zeros_like(out[:1]), out[:-1]])
+    return out.flip(0) if op.reverse else out
 
 
 def _t_matmul(op: MatMul, env, ctx):
@@ -188,9 +192,13 @@ def _s_mask_rows(op: MaskRows, env, ctx):
 def _s_cumsum(op: Cumsum, env, ctx):
     x = env[op.x]
     rows = range(x.rows)
-    if op.reverse:
-        return sympy.Matrix(x.rows, x.cols, lambda i, j: sum(x[r, j] for r in rows if r >= i))
-    return sympy.Matrix(x.rows, x.cols, lambda i, j: sum(x[r, j] for r in rows if r <= i))
+
+    def included(r, i):
+        if op.reverse:
+            return r > i if op.exclusive else r >= i
+        return r < i if op.exclusive else r <= i
+
+    return sympy.Matrix(x.rows, x.cols, lambda i, j: sum(x[r, j] for r in rows if included(r, i)))
 
 
 def _s_last_row(op: LastRow, env, ctx):

@@ -131,7 +131,8 @@ def _mask_rows(op: MaskRows, dy: str, sweep: Sweep):
 
 @adjoint(Cumsum)
 def _cumsum(op: Cumsum, dy: str, sweep: Sweep):
-    yield op.x, str(sweep.b.add(Cumsum(sweep.name(op.x, op), op.shape, dy, reverse=not op.reverse)))
+    adjoint_op = Cumsum(sweep.name(op.x, op), op.shape, dy, reverse=not op.reverse, exclusive=op.exclusive)
+    yield op.x, str(sweep.b.add(adjoint_op))
 
 
 @adjoint(LastRow)
@@ -141,9 +142,13 @@ def _last_row(op: LastRow, dy: str, sweep: Sweep):
 
 @adjoint(DecayMatrix)
 def _decay(op: DecayMatrix, dy: str, sweep: Sweep):
-    # D_ij = exp2(x_i - x_j): dx_i += ln2 sum_j dD_ij D_ij, dx_j -= ln2 sum_i dD_ij D_ij
+    # D_ij = exp2(x_i - x_j): dx_i += ln2 sum_j dD_ij D_ij, dx_j -= ln2 sum_i dD_ij D_ij.
+    # The diagonal (exp2(0) = 1) depends on nothing: leaving it out avoids summing a term into
+    # both the row and the column sum only to cancel it.
     b = sweep.b
     weighted = b.formula(b.fresh(f"{dy}_times_{op.out}"), sympy.Symbol(dy) * sympy.Symbol(op.out) * LN2, ("C", "C"))
+    if op.inclusive:
+        weighted = b.add(Mask(b.fresh(f"{weighted}_offdiag"), ("C", "C"), str(weighted), inclusive=False))
     rows = b.add(ReduceSum(b.fresh(f"{weighted}_rowsum"), ("C",), str(weighted), (1,)))
     cols = b.add(ReduceSum(b.fresh(f"{weighted}_colsum"), ("C",), str(weighted), (0,)))
     yield op.x, str(b.formula(sweep.name(op.x, op), rows - cols, ("C",)))

@@ -92,7 +92,7 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     if rec.gate is GateKind.KEY_CHANNEL:
         # exp2(G_i - G_j) per key channel needs a C x C x K tile or a factorisation with a
         # reference row per sub-chunk; neither is derived yet
-        return NoChunkForm(rec, "key-channel gates are not chunked yet; use recurrent()")
+        return NoChunkForm(rec, "key-channel gates are not chunked yet")
     b = Builder()
     # -- inputs of the chunk: declared inputs first, so their names are kept as written
     for inp in rec.inputs:
@@ -146,9 +146,12 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     else:
         Vn = b.scale_rows("Vn", v, beta, ("C", "V"))
 
-    # -- exit state: H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn
+    # -- exit state: H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn, where G_C - G is summed as the
+    #    exclusive suffix sum of g directly (exactly 0 on the last row, whatever G's magnitude)
     if G is not None:
-        k_to_end = b.scale_rows("k_decayed", k, b.formula("decay_to_end", 2 ** (G_last - G), ("C",)), ("C", "K"))
+        to_end = b.add(Cumsum(b.fresh("g_to_end"), ("C",), str(g), reverse=True, exclusive=True))
+        decay_to_end = b.formula("decay_to_end", 2 ** (to_end * LOG2E), ("C",))
+        k_to_end = b.scale_rows("k_decayed", k, decay_to_end, ("C", "K"))
         written = b.matmul("KtVn", k_to_end, Vn, ("K", "V"), transpose_a=True)
         H_next = b.formula("H_next", 2**G_last * H + written, ("K", "V"))
     else:
