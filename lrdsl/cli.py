@@ -150,7 +150,7 @@ def cmd_bench(args) -> int:
     import torch
 
     from . import load
-    from .bench import DECODE_SHAPES, TRAINING_SHAPES, bench, format_rows, to_json
+    from .bench import DECODE_SHAPES, TRAINING_SHAPES, allow_fla_gated_backward_on_hopper, bench, format_rows, to_json
     from .passes.pipeline import run_pipeline
     from .spec import load_spec
 
@@ -163,8 +163,12 @@ def cmd_bench(args) -> int:
     if kernel == "chunk" and not hasattr(module, "chunk"):
         raise LrdslError(f"{rec.name} has no chunk kernels to benchmark")
     plans = args.plans.split(",") if args.plans else list(getattr(module, "CHUNK_PLANS", ()))
-    print(f"{rec.name}: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    rows = bench(module, rec, shapes, plans, kernel=kernel)
+    import triton
+
+    print(f"{rec.name}: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.backward and allow_fla_gated_backward_on_hopper():
+        print("note: fla-core's refusal of its gated backward on Hopper with triton < 3.7.1 is lifted to time it")
+    rows = bench(module, rec, shapes, plans, kernel=kernel, backward=args.backward)
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(to_json(rows))
@@ -196,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec")
     p.add_argument("--shapes", choices=["training", "decode"], default="training")
     p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: all)")
+    p.add_argument("--backward", action="store_true", help="time forward + backward (training)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.set_defaults(run=cmd_bench)
 

@@ -1,44 +1,105 @@
-"""On a GPU: every plan and chunk size, and the recurrent kernel, in bf16 at real sizes against the
-float64 oracle (run on the GPU too). Skipped without a CUDA device."""
+"""On a GPU: every plan and chunk size, forward and backward, and the recurrent kernel, in bf16 at
+real sizes against the float64 oracle (run on the GPU too). Skipped without a CUDA device.
+
+Set GPU_REPORT=FILE to append every measured error as a JSON line (for BENCHMARKS.md)."""
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
 
 from lrdsl import reference
-from lrdsl.workloads import Shape
+from lrdsl.workloads import TOLERANCE, Shape, relative_error
 
-from helpers import ALL_SPECS, assert_close, module, recurrence, sample
+from helpers import ALL_SPECS, module, recurrence, sample
 
 pytestmark = pytest.mark.gpu
 
 CHUNKED = [n for n in ALL_SPECS if hasattr(module(n), "chunk")] if torch.cuda.is_available() else []
-DENSE = Shape(2, 777, 2, 4, 128, 128)
+DENSE = dict(shape=Shape(2, 777, 2, 4, 128, 128))
 VARLEN = dict(shape=Shape(1, 1500, 4, 8, 128, 96), bounds=[0, 0, 1, 700, 701, 1500])
+GRAD_DENSE = dict(shape=Shape(2, 257, 2, 4, 128, 128))
+GRAD_VARLEN = dict(shape=Shape(1, 400, 2, 6, 128, 128), bounds=[0, 0, 1, 190, 400])
+LIMIT = TOLERANCE[torch.bfloat16]
 
 
-def _run(name, kernel, shape, generator, bounds=None, **options):
-    rec, mod = recurrence(name), module(name)
-    tensors = [t.cuda() for t in sample(rec, shape, torch.bfloat16, generator, normalize_keys=False)]
+def report(**row):
+    path = os.environ.get("GPU_REPORT")
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def _inputs(name, case, generator, dtype=torch.bfloat16):
+    rec = recurrence(name)
+    shape, bounds = case["shape"], case.get("bounds")
+    tensors = [t.cuda() for t in sample(rec, shape, dtype, generator, normalize_keys=False)]
     N = len(bounds) - 1 if bounds else shape.B
     h0 = torch.randn(N, shape.HV, shape.K, shape.V, generator=generator).cuda()
-    kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                  cu_seqlens=torch.tensor(bounds, dtype=torch.int32).cuda() if bounds else None)
-    o, ht = getattr(mod, kernel)(*tensors, **kwargs, **options)
+    cu = torch.tensor(bounds, dtype=torch.int32).cuda() if bounds else None
+    return rec, tensors, h0, cu
+
+
+def _forward(name, kernel, case, generator, **options):
+    rec, tensors, h0, cu = _inputs(name, case, generator)
+    kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    o, ht = getattr(module(name), kernel)(*tensors, **kwargs, **options)
     ref_o, ref_ht = reference.run(rec, *tensors, **kwargs)
-    assert_close(o, ref_o, torch.bfloat16, f"{name}.{kernel} {options} o")
-    assert_close(ht, ref_ht, torch.bfloat16, f"{name}.{kernel} {options} final state")
+    errors = {"o": relative_error(o, ref_o), "ht": relative_error(ht, ref_ht)}
+    report(spec=name, kernel=kernel, pass_="forward", case=str(case["shape"]), varlen="bounds" in case, **options, **errors)
+    assert all(e <= LIMIT for e in errors.values()), errors
+
+
+def _gradients(name, case, generator, kernel="chunk", **options):
+    rec, tensors, h0, cu = _inputs(name, case, generator)
+    shape = case["shape"]
+    d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).cuda()
+    d_ht = torch.randn_like(h0)
+    kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    leaves = [t.detach().clone().requires_grad_() for t in tensors] + [h0.detach().clone().requires_grad_()]
+    o, ht = getattr(module(name), kernel)(*leaves[:-1], initial_state=leaves[-1], **kwargs, **options)
+    grads = torch.autograd.grad((o, ht), leaves, (d_o.to(o.dtype), d_ht))
+    refs = [t.detach().double().requires_grad_() for t in tensors] + [h0.detach().double().requires_grad_()]
+    ref_o, ref_ht = reference.run(rec, *refs[:-1], initial_state=refs[-1], **kwargs)
+    ref_grads = torch.autograd.grad((ref_o, ref_ht), refs, (d_o.double(), d_ht.double()))
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs] + ["h0"]
+    errors = {n: relative_error(a, b) for n, a, b in zip(names, grads, ref_grads)}
+    report(spec=name, kernel=kernel, pass_="backward", case=str(shape), varlen="bounds" in case, **options, **errors)
+    assert all(e <= LIMIT for e in errors.values()), errors
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 @pytest.mark.parametrize("plan", ["fused", "split"])
 @pytest.mark.parametrize("name", CHUNKED)
 def test_gpu_chunk_bf16(name, plan, chunk_size, generator):
-    _run(name, "chunk", DENSE, generator, plan=plan, chunk_size=chunk_size)
-    _run(name, "chunk", VARLEN["shape"], generator, bounds=VARLEN["bounds"], plan=plan, chunk_size=chunk_size)
+    _forward(name, "chunk", DENSE, generator, plan=plan, chunk_size=chunk_size)
+    _forward(name, "chunk", VARLEN, generator, plan=plan, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("name", ALL_SPECS)
 def test_gpu_recurrent_bf16(name, generator):
-    _run(name, "recurrent", DENSE, generator)
-    _run(name, "recurrent", VARLEN["shape"], generator, bounds=VARLEN["bounds"])
+    _forward(name, "recurrent", DENSE, generator)
+    _forward(name, "recurrent", VARLEN, generator)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+@pytest.mark.parametrize("plan", ["fused", "split"])
+@pytest.mark.parametrize("name", CHUNKED)
+def test_gpu_chunk_gradients_bf16(name, plan, chunk_size, generator):
+    _gradients(name, GRAD_DENSE, generator, plan=plan, chunk_size=chunk_size)
+    _gradients(name, GRAD_VARLEN, generator, plan=plan, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("save_policy", ["save_prepare", "save"])
+def test_gpu_save_policies(save_policy, generator):
+    _gradients("gdn", GRAD_VARLEN, generator, save_policy=save_policy)
+
+
+@pytest.mark.parametrize("K, V", [(256, 256), (200, 136)])
+@pytest.mark.parametrize("name", ["gdn", "simple_gla"])
+def test_gpu_large_and_odd_head_dims(name, K, V, generator):
+    case = dict(shape=Shape(1, 300, 1, 2, K, V))
+    _forward(name, "chunk", case, generator)
+    _gradients(name, case, generator)
