@@ -500,14 +500,27 @@ def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
 
 # -- the module section ------------------------------------------------------------------------
 
-# Launch settings per kernel role (value columns per block, warps); the module carries them.
+# Launch settings per kernel role (value columns per block, warps, pipeline stages); the module
+# carries them. Backward roles are the backward program's kernel names with "bwd_" in front.
 CHUNK_LAUNCH = {
-    "prepare": {"BV": 64, "num_warps": 4},
-    "system": {"BV": 64, "num_warps": 4},
-    "solve": {"BV": 64, "num_warps": 4},
-    "apply": {"BV": 64, "num_warps": 4},
-    "scan": {"BV": 32, "num_warps": 4},
-    "output": {"BV": 64, "num_warps": 4},
+    "prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "system": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "solve": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "apply": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    "output": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "bwd_prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "bwd_scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    "bwd_output": {"BV": 64, "num_warps": 4, "num_stages": 2},
+}
+# Smaller settings where tiles are larger: K > 128 key channels, or fp32 matmul operands
+# (precision="tf32"); shared memory runs out otherwise.
+CHUNK_LAUNCH_LARGE_TILES = {
+    "prepare": {"BV": 32, "num_stages": 1},
+    "apply": {"BV": 32, "num_stages": 1},
+    "output": {"BV": 32, "num_stages": 1},
+    "bwd_prepare": {"BV": 32, "num_stages": 1},
+    "bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1},
 }
 
 BUFFER_SHAPES = {
@@ -535,7 +548,7 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
             dict(
                 kind=kernel.kind,
                 name=kernel.name,
-                role=kernel.name,
+                role=("bwd_" if prog.direction == "backward" else "") + kernel.name,
                 function=kernel_function_name(prog, kernel),
                 args=", ".join(kernel_params(ctx)),
             )
@@ -549,7 +562,7 @@ def _buffers(plan: Plan) -> list[dict]:
             name=b.value,
             param=buffer_param(b.value),
             shape=BUFFER_SHAPES[b.shape],
-            dtype="acc_dtype" if b.dtype == "fp32" else "q.dtype",
+            dtype="acc_dtype" if b.dtype == "fp32" else "c[\"io_dtype\"]",
         )
         for b in plan.buffers
     ]
@@ -623,6 +636,7 @@ def emit_chunk_section(item: BackwardPlan, positional: str, extras: str) -> str:
         plan_doc=[f"  {p.name}: {p.summary}: {' -> '.join(k.name for k in p.kernels)}" for p in plans.plans]
         + [f"  backward: {' -> '.join(k.name for k in item.backward.plans[0].kernels)} (the scan in reverse)"],
         launch=repr(CHUNK_LAUNCH),
+        launch_large=repr(CHUNK_LAUNCH_LARGE_TILES),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p) for p in plans.plans],
         backward=_backward_launcher(item),
