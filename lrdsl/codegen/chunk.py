@@ -513,15 +513,12 @@ CHUNK_LAUNCH = {
     "bwd_scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
     "bwd_output": {"BV": 64, "num_warps": 4, "num_stages": 2},
 }
-# Smaller settings where tiles are larger: K > 128 key channels, or fp32 matmul operands
-# (precision="tf32"); shared memory runs out otherwise.
-CHUNK_LAUNCH_LARGE_TILES = {
-    "prepare": {"BV": 32, "num_stages": 1},
-    "apply": {"BV": 32, "num_stages": 1},
-    "output": {"BV": 32, "num_stages": 1},
-    "bwd_prepare": {"BV": 32, "num_stages": 1},
-    "bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1},
-}
+# Smaller settings where the backward's output kernel holds larger tiles, else it runs out of
+# shared memory: K > 128 key channels (bf16 operands), or fp32 operands (precision="tf32").
+# Forward kernels keep their settings: with BK = 256, BV = 32 and one stage the forward output
+# kernel computed wrong results on the H200 (triton 3.6.0), while these were checked there.
+CHUNK_LAUNCH_WIDE_K = {"bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
+CHUNK_LAUNCH_FP32 = {"bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
 
 BUFFER_SHAPES = {
     ("C", "K"): "(B, T, HV, K)",
@@ -636,7 +633,8 @@ def emit_chunk_section(item: BackwardPlan, positional: str, extras: str) -> str:
         plan_doc=[f"  {p.name}: {p.summary}: {' -> '.join(k.name for k in p.kernels)}" for p in plans.plans]
         + [f"  backward: {' -> '.join(k.name for k in item.backward.plans[0].kernels)} (the scan in reverse)"],
         launch=repr(CHUNK_LAUNCH),
-        launch_large=repr(CHUNK_LAUNCH_LARGE_TILES),
+        launch_wide=repr(CHUNK_LAUNCH_WIDE_K),
+        launch_fp32=repr(CHUNK_LAUNCH_FP32),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p) for p in plans.plans],
         backward=_backward_launcher(item),
