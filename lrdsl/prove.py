@@ -45,50 +45,67 @@ def _is_zero(expr) -> bool:
     return sympy.simplify(expr) == 0
 
 
+class SymbolicChunk:
+    """One chunk's inputs as symbols: q, k, v (rows past the sequence end are 0, as the kernels
+    load them), the spec's per-token and per-head inputs, the entry state H, scale and h."""
+
+    def __init__(self, rec, C: int, rows: int, K: int, V: int, scale=None):
+        self.rec, self.C, self.rows, self.K, self.V = rec, C, rows, K, V
+        self.q, self.k, self.v = _matrix("q", C, K), _matrix("k", C, K), _matrix("v", C, V)
+        for x in (self.q, self.k, self.v):
+            for i in range(rows, C):
+                x[i, :] = sympy.zeros(1, x.cols)
+        self.H = _matrix("H", K, V)
+        self.scale = sympy.Symbol("scale", positive=True) if scale is None else scale
+        self.head = sympy.Symbol("h", nonnegative=True, integer=True)
+        self.raw = {}
+        for inp in rec.inputs:
+            if inp.role is InputRole.TOKEN:
+                self.raw[inp.name] = sympy.Matrix(
+                    C, 1, lambda i, j, n=inp.name: sympy.Symbol(f"{n}_{i}", real=True) if i < rows else 0
+                )
+            elif inp.role is InputRole.HEAD:
+                self.raw[inp.name] = sympy.Symbol(inp.name, real=True)
+            else:
+                raise ValueError(f"{rec.name}: the proof handles per-token and per-head scalar inputs only")
+
+    @property
+    def sizes(self) -> dict:
+        return {"C": self.C, "K": self.K, "V": self.V}
+
+    def sources(self) -> dict:
+        """Load source -> value."""
+        return {"q": self.q, "k": self.k, "v": self.v, "scale": self.scale, str(HEAD_INDEX): self.head, **self.raw}
+
+    def evaluate(self, prog: ChunkProgram, state, extra_sources=None, saved=None) -> dict:
+        sources = {**self.sources(), **(extra_sources or {})}
+        env = {prog.state_in: state}
+        for op in prog.ops:
+            if isinstance(op, Load):
+                env[op.out] = saved[op.source[len(SAVED):]] if op.source.startswith(SAVED) else sources[op.source]
+        return evaluate_sympy(prog, env, self.sizes, valid_rows=self.rows)
+
+    def unrolled(self):
+        """The recurrence token by token (DESIGN.md section 1): (output rows, final state)."""
+        rec, S, outputs = self.rec, self.H, []
+        for t in range(self.rows):
+            values = {sympy.Symbol(n): (x[t, 0] if isinstance(x, sympy.MatrixBase) else x) for n, x in self.raw.items()}
+            values[HEAD_INDEX] = self.head
+            if rec.gate is not GateKind.NONE:
+                S = sympy.exp(rec.log_decay.subs(values, simultaneous=True)) * S
+            u = self.v[t, :] - (S.T * self.k[t, :].T).T if rec.is_delta else self.v[t, :]
+            if rec.has_beta:
+                u = rec.beta.subs(values, simultaneous=True) * u
+            S = S + self.k[t, :].T * u
+            outputs.append((self.scale * S.T * self.q[t, :].T).T)
+        return outputs, S
+
+
 def prove_case(prog: ChunkProgram, C: int, rows: int, K: int = 2, V: int = 2) -> ProofResult:
-    rec = prog.recurrence
-    q, k, v = _matrix("q", C, K), _matrix("k", C, K), _matrix("v", C, V)
-    # rows past the sequence end are loaded as 0, as the kernels do
-    for x in (q, k, v):
-        for i in range(rows, C):
-            x[i, :] = sympy.zeros(1, x.cols)
-    H = _matrix("H", K, V)
-    scale = sympy.Symbol("scale", positive=True)
-    raw = {}
-    for inp in rec.inputs:
-        if inp.role is InputRole.TOKEN:
-            raw[inp.name] = sympy.Matrix(C, 1, lambda i, j: sympy.Symbol(f"{inp.name}_{i}", real=True) if i < rows else 0)
-        elif inp.role is InputRole.HEAD:
-            raw[inp.name] = sympy.Symbol(inp.name, real=True)
-        else:
-            raise ValueError(f"{rec.name}: the proof handles per-token and per-head scalar inputs only")
-    head = sympy.Symbol("h", nonnegative=True, integer=True)
-
-    env = {prog.state_in: H}
-    for op in prog.ops:
-        if not isinstance(op, Load):
-            continue
-        env[op.out] = {"q": q, "k": k, "v": v, "scale": scale, str(HEAD_INDEX): head}.get(op.source, raw.get(op.source))
-    out = evaluate_sympy(prog, env, {"C": C, "K": K, "V": V}, valid_rows=rows)
+    chunk = SymbolicChunk(prog.recurrence, C, rows, K, V)
+    out = chunk.evaluate(prog, chunk.H)
     O, H_next = out[prog.output("o")], out[prog.output("state")]
-
-    # the recurrence, token by token (DESIGN.md section 1)
-    S = H
-    expected_rows = []
-    for t in range(rows):
-        values = {sympy.Symbol(name): (x[t, 0] if isinstance(x, sympy.MatrixBase) else x) for name, x in raw.items()}
-        values[HEAD_INDEX] = head
-        if rec.gate is not GateKind.NONE:
-            S = sympy.exp(rec.log_decay.subs(values, simultaneous=True)) * S
-        if rec.is_delta:
-            u = v[t, :] - (S.T * k[t, :].T).T
-        else:
-            u = v[t, :]
-        if rec.has_beta:
-            u = rec.beta.subs(values, simultaneous=True) * u
-        S = S + k[t, :].T * u
-        expected_rows.append((scale * S.T * q[t, :].T).T)
-
+    expected_rows, S = chunk.unrolled()
     failures = []
     entries = 0
     for t in range(rows):
@@ -118,71 +135,33 @@ def prove_backward_case(forward: ChunkProgram, backward: ChunkProgram, C: int, r
     entry's derivative of L, taken symbolically from the token-by-token recurrence, must equal
     the backward program's output for it (and dH for the entry state).
     """
-    rec = forward.recurrence
-    q, k, v = _matrix("q", C, K), _matrix("k", C, K), _matrix("v", C, V)
-    for x in (q, k, v):
-        for i in range(rows, C):
-            x[i, :] = sympy.zeros(1, x.cols)
-    H = _matrix("H", K, V)
-    scale = sympy.Rational(1, 2)
-    raw = {}
-    for inp in rec.inputs:
-        if inp.role is InputRole.TOKEN:
-            raw[inp.name] = sympy.Matrix(C, 1, lambda i, j: sympy.Symbol(f"{inp.name}_{i}", real=True) if i < rows else 0)
-        elif inp.role is InputRole.HEAD:
-            raw[inp.name] = sympy.Symbol(inp.name, real=True)
-        else:
-            raise ValueError(f"{rec.name}: the proof handles per-token and per-head scalar inputs only")
-    head = sympy.Symbol("h", nonnegative=True, integer=True)
+    chunk = SymbolicChunk(forward.recurrence, C, rows, K, V, scale=sympy.Rational(1, 2))
     dO = _matrix("dO", C, V)
     for i in range(rows, C):
         dO[i, :] = sympy.zeros(1, V)
     dH_next = _matrix("dHn", K, V)
-    sources = {"q": q, "k": k, "v": v, "scale": scale, str(HEAD_INDEX): head, "dO": dO, **raw}
+    saved = chunk.evaluate(forward, chunk.H)
+    grads = chunk.evaluate(backward, dH_next, extra_sources={"dO": dO}, saved=saved)
 
-    env = {forward.state_in: H}
-    for op in forward.ops:
-        if isinstance(op, Load):
-            env[op.out] = sources[op.source]
-    sizes = {"C": C, "K": K, "V": V}
-    fwd = evaluate_sympy(forward, env, sizes, valid_rows=rows)
-    benv = {backward.state_in: dH_next}
-    for op in backward.ops:
-        if isinstance(op, Load):
-            benv[op.out] = fwd[op.source[len(SAVED):]] if op.source.startswith(SAVED) else sources[op.source]
-    bwd = evaluate_sympy(backward, benv, sizes, valid_rows=rows)
-
-    # the loss from the unrolled recurrence
-    S = H
-    loss = 0
-    for t in range(rows):
-        values = {sympy.Symbol(name): (x[t, 0] if isinstance(x, sympy.MatrixBase) else x) for name, x in raw.items()}
-        values[HEAD_INDEX] = head
-        if rec.gate is not GateKind.NONE:
-            S = sympy.exp(rec.log_decay.subs(values, simultaneous=True)) * S
-        u = v[t, :] - (S.T * k[t, :].T).T if rec.is_delta else v[t, :]
-        if rec.has_beta:
-            u = rec.beta.subs(values, simultaneous=True) * u
-        S = S + k[t, :].T * u
-        o_t = (scale * S.T * q[t, :].T).T
-        loss += sum(o_t[0, j] * dO[t, j] for j in range(V))
+    outputs, S = chunk.unrolled()
+    loss = sum(outputs[t][0, j] * dO[t, j] for t in range(rows) for j in range(V))
     loss += sum(S[i, j] * dH_next[i, j] for i in range(K) for j in range(V))
 
     failures = []
     entries = 0
+    sources = chunk.sources()
     for role, value in backward.outputs:
-        target = H if role == "state" else sources[role[len("grad:"):]]
-        got = bwd[value]
+        target = chunk.H if role == "state" else sources[role[len("grad:"):]]
+        got = grads[value]
         if not isinstance(target, sympy.MatrixBase):
-            target, got = sympy.Matrix([[target]]), sympy.Matrix([[got]]) if not isinstance(got, sympy.MatrixBase) else got
+            target, got = sympy.Matrix([[target]]), sympy.Matrix([[got]])
         for i in range(target.rows):
             for j in range(target.cols):
                 symbol = target[i, j]
                 if not isinstance(symbol, sympy.Symbol):
                     continue  # a padded row: no input there
                 entries += 1
-                expected = sympy.diff(loss, symbol)
-                if not _is_zero(got[i, j] - expected):
+                if not _is_zero(got[i, j] - sympy.diff(loss, symbol)):
                     failures.append(f"{role}[{i},{j}]")
     return ProofResult(C, rows, entries, tuple(failures))
 
