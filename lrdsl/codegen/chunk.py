@@ -151,7 +151,7 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
         return [load_line(target, "v" if op.source == "v" else "d_o", offsets, mask)]
     if op.source.startswith(SAVED):
         offsets, mask = buffer_address(op.shape)
-        return [f"# {op.out}: stored by the forward pass", load_line(target, saved_param(op.source), offsets, mask)]
+        return [load_line(target, saved_param(op.source), offsets, mask)]
     role = ctx.prog.recurrence.input(op.source).role
     if role is InputRole.HEAD:
         return [load_line(target, op.source, "i_hv", "")]

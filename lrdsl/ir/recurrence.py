@@ -120,7 +120,7 @@ class Recurrence:
         return any(i.role.per_key_channel for i in self.formula_inputs(expr))
 
     def describe(self) -> str:
-        """One canonical text form: what `lrdsl show --stage recurrence` prints and the cache hashes."""
+        """One canonical text form: what `lrdsl show --stage recurrence` prints."""
         lines = [f"recurrence {self.name}"]
         if self.summary:
             lines.append(f"  summary   {self.summary}")
