@@ -39,14 +39,15 @@ def generate(path, **options) -> tuple[str, dict]:
 def load(path, **options):
     options = _check_options(options)
     spec = load_spec(path)
-    stages = run_pipeline(spec)
-    key = cache_key(stages["recurrence"].fingerprint(), options)
+    # the key needs only the canonical IR; the later passes run on a cache miss alone
+    recurrence = run_pipeline(spec, until="recurrence")["recurrence"]
+    key = cache_key(recurrence.fingerprint(), options)
     if key in _loaded:
         return _loaded[key]
-    name = stages["recurrence"].name
+    name = recurrence.name
     file = config.cache_dir() / f"{name}_{key[:20]}.py"
     if not file.exists():
-        source = emit_module(stages, spec_path=str(path))
+        source = emit_module(run_pipeline(spec), spec_path=str(path))
         atomic_write(file, source)
         dump = config.dump_dir()
         if dump is not None:
