@@ -128,12 +128,12 @@ def _prove(spec_path: str) -> int:
 
 
 def cmd_demo(args) -> int:
+    interpreted = config.use_interpreter_without_gpu()  # before anything imports triton
     import torch
 
     from .runtime.cache import atomic_write
     from .runtime.loader import generate, import_file
 
-    interpreted = config.use_interpreter_without_gpu()
     source, stages = generate(args.spec)
     out = Path(args.output_dir) / f"{stages['recurrence'].name}_ops.py"
     atomic_write(out, source)

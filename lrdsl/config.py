@@ -31,10 +31,18 @@ def interpreting() -> bool:
 def use_interpreter_without_gpu() -> bool:
     """Turn on Triton's CPU interpreter when no CUDA device exists. Returns whether it is on.
 
-    Triton reads TRITON_INTERPRET when a kernel is decorated, so call this before loading a module.
+    Triton decides at import (its own library functions) and when a kernel is decorated, so this
+    must run before anything imports triton.
     """
+    import sys
+
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    return interpreting()
+    if torch.cuda.is_available() or interpreting():
+        return interpreting()
+    if "triton" in sys.modules:
+        from .errors import LrdslError
+
+        raise LrdslError("no GPU, and triton was imported before TRITON_INTERPRET=1 was set: set it first")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True

@@ -25,8 +25,14 @@ def lrdsl_command() -> list[str]:
     return [str(LRDSL_SCRIPT)] if LRDSL_SCRIPT.exists() else [sys.executable, "-m", "lrdsl"]
 
 
+def user_environment(**extra) -> dict:
+    """The environment a user's shell has: without the TRITON_INTERPRET the test process set."""
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**environment, **extra}
+
+
 def run(args: list[str], cwd=ROOT, env=None, timeout=600) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
+    full_env = user_environment(**(env or {}))
     return subprocess.run(lrdsl_command() + args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -85,7 +91,8 @@ def test_standalone_module_runs_without_lrdsl(tmp_path, generator):
         torch.save({{"o": o.cpu(), "ht": ht.cpu()}}, {str(tmp_path / 'outputs.pt')!r})
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", script], env=user_environment(), capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr
     outputs = torch.load(tmp_path / "outputs.pt")
     ref_o, ref_ht = reference.run(rec, *tensors, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -193,7 +200,8 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_command_runs():
     """`make demo` as the README gives it (it sets up .venv first when that is missing)."""
     command = readme_commands()["main"]
-    result = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(shlex.split(command), cwd=ROOT, env=user_environment(), capture_output=True, text=True,
+                            timeout=1800)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "compiled specs/gdn.toml" in result.stdout
     assert re.search(r"recurrent\s+dense\+h0\+l2norm\s+float32", result.stdout)
