@@ -15,7 +15,7 @@ from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.passes.verify import verify
 from lrdsl.prove import prove_backward
 from lrdsl.spec import load_spec
-from lrdsl.workloads import TOLERANCE, Shape, relative_error
+from lrdsl.workloads import Shape, relative_error
 
 from helpers import ALL_SPECS, CORE_SPECS, direct_input, module, recurrence, sample, spec_path
 

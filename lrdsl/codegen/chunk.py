@@ -72,10 +72,6 @@ class KernelContext:
     def assign(self, value: str) -> str:
         return f"{var(value)} {'+=' if value in self.accumulators else '='} "
 
-    @property
-    def is_scan(self) -> bool:
-        return self.kernel.kind == "scan"
-
     def shape(self, value: str):
         return self.prog.shape(value)
 
@@ -344,7 +340,7 @@ def _segments(ctx: KernelContext) -> tuple[dict[str, tuple[str, int]], set[str]]
     place: dict[str, tuple[str, int]] = {}
     accumulators = set()
 
-    def ready(arg: str, in_loop: bool) -> int:
+    def ready(arg: str) -> int:
         """The earliest segment (plain or loop index) at which `arg` can be read."""
         if _is_loadable(ctx, arg):
             return 0
@@ -357,7 +353,7 @@ def _segments(ctx: KernelContext) -> tuple[dict[str, tuple[str, int]], set[str]]
             place[value] = ("plain", 0)
             continue
         if _has_v(op.shape):
-            index = max([ready(a, True) for a in op.args()], default=0)
+            index = max([ready(a) for a in op.args()], default=0)
             for arg in op.args():
                 if not _is_loadable(ctx, arg) and place[arg][0] == "loop" and place[arg][1] != index:
                     raise CompileError(f"{ctx.prog.recurrence.name}: {value} needs the V tile {arg} of an earlier V loop")
@@ -365,10 +361,10 @@ def _segments(ctx: KernelContext) -> tuple[dict[str, tuple[str, int]], set[str]]
         elif any(_has_v(ctx.shape(a)) for a in op.args()):
             if not isinstance(op, (MatMul, ReduceSum)):
                 raise CompileError(f"{ctx.prog.recurrence.name}: {value} sums over V but is no matmul or sum")
-            place[value] = ("sum", max(ready(a, True) for a in op.args()))
+            place[value] = ("sum", max(ready(a) for a in op.args()))
             accumulators.add(value)
         else:
-            place[value] = ("plain", max([ready(a, False) for a in op.args()], default=0))
+            place[value] = ("plain", max([ready(a) for a in op.args()], default=0))
     return place, accumulators
 
 

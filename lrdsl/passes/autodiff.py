@@ -64,8 +64,7 @@ def adjoint(op_type):
 class Sweep:
     """The reverse sweep's state: the builder and each value's gradient contributions."""
 
-    def __init__(self, prog: ChunkProgram, builder: Builder):
-        self.prog = prog
+    def __init__(self, builder: Builder):
         self.b = builder
         self.contributions: dict[str, list[str]] = {}
 
@@ -209,7 +208,7 @@ def autodiff(plans: ChunkPlans | NoChunkForm) -> ChunkProgram | NoChunkForm:
             b.add(Load(op.out, op.shape, SAVED + op.out))
         else:
             b.add(op)
-    sweep = Sweep(forward, b)
+    sweep = Sweep(b)
     sweep.contribute(forward.output("o"), str(b.load(COTANGENT, ("C", "V"), "d_" + forward.output("o"))))
     d_state = b.add(StateIn(b.fresh("d_" + forward.output("state")), ("K", "V")))
     sweep.contribute(forward.output("state"), str(d_state))
