@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from lrdsl import reference
 from lrdsl.errors import IRError
@@ -223,6 +224,35 @@ def test_gradients_are_bitwise_reproducible(generator, device):
         runs.append([x.grad.clone() for x in leaves])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+class _RecordAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of every new tensor (empty, zeros, ...) torch allocates while active;
+    views (the interpreter makes some of kernel arguments) are not allocations."""
+
+    FACTORIES = ("empty", "empty_strided", "empty_like", "zeros", "zeros_like", "new_empty", "new_zeros", "full")
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.FACTORIES:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_gva_q_k_gradients_sum_in_the_kernel(generator, device):
+    """HV = 3 H: no [B, T, HV, K] tensor in the backward; q/k gradients summed per group in the kernel."""
+    rec, mod = recurrence("gdn"), module("gdn")
+    B, T, H, HV, K, V = 1, 20, 2, 6, 32, 24  # K differs from the chunk size: [B, T, HV, C] buffers are expected
+    tensors = [t.to(device).requires_grad_() for t in sample(rec, Shape(B, T, H, HV, K, V), torch.float32, generator)]
+    o, _ = mod.chunk(*tensors, chunk_size=16, save_policy="save")  # no forward kernel re-runs in the backward
+    with _RecordAllocations() as recorded:
+        o.backward(torch.randn(B, T, HV, V, generator=generator).to(device))
+    assert (B, T, HV, K) not in recorded.shapes
+    assert tensors[0].grad.shape == tensors[1].grad.shape == (B, T, H, K)
 
 
 def test_policies_give_identical_gradients(generator, device):

@@ -376,8 +376,44 @@ def _op_lines(ctx: KernelContext, value: str) -> list[str]:
     if ctx.stored_here(value) and not isinstance(op, UnitLowerInverse):  # a solve stores its own result
         lines.extend(emit_buffer_store(value, ctx))
     for role, result in ctx.prog.results:
-        if result == value:
+        if result != value:
+            continue
+        if is_key_head_result(role):
+            lines.append(f"{group_sum_var(role)} += {var(value)}")
+        else:
             lines.extend(emit_result_store(role, value, ctx))
+    return lines
+
+
+# q and k have one head per group of HV // H value heads (GVA): their gradients sum over the group.
+KEY_HEAD_INPUTS = ("q", "k")
+
+
+def is_key_head_result(role: str) -> bool:
+    return role.startswith("grad:") and role.split(":", 1)[1] in KEY_HEAD_INPUTS
+
+
+def group_sum_var(role: str) -> str:
+    return f"b_{result_param(role)}_group_sum"
+
+
+def key_head_results(ctx: KernelContext) -> list[tuple[str, str]]:
+    """(role, value) of the q/k gradients a kernel writes: it then runs one program per key head."""
+    return [(role, value) for role, value in kernel_results(ctx) if is_key_head_result(role)]
+
+
+def wrap_in_group_loop(ctx: KernelContext, body: list[str]) -> list[str]:
+    """Runs `body` for each value head of the program's key head, summing the q/k gradients."""
+    results = key_head_results(ctx)
+    lines = [f"    {group_sum_var(role)} = tl.zeros({ctx.block(ctx.shape(value))}, dtype=ACC)" for role, value in results]
+    lines += [
+        "    for i_g in range(HV // H):",
+        "        i_hv = i_h * (HV // H) + i_g  # GVA: the value heads reading key head i_h",
+        *[("    " + line) if line else line for line in "\n".join(body).split("\n")],
+    ]
+    for role, value in results:
+        offsets, mask = tile_address(ctx.shape(value), "H", "i_h", "K")
+        lines.append("    " + store_line(result_param(role), offsets, mask, group_sum_var(role)))
     return lines
 
 
@@ -454,7 +490,7 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
                 indent(loops[index], 8),
                 "",
             ]
-    return body
+    return wrap_in_group_loop(ctx, body) if key_head_results(ctx) else body
 
 
 def kernel_function_name(prog: ChunkProgram, kernel: Kernel) -> str:
@@ -491,7 +527,8 @@ def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
             next_var=var(prog.output("state")),
             body=indent(emit_scan_body(ctx), 8),
         )
-    return render("chunk_kernel.py.jinja", **common, body="\n".join(emit_chunk_body(ctx)))
+    body = emit_chunk_body(ctx)
+    return render("chunk_kernel.py.jinja", **common, key_head_programs=bool(key_head_results(ctx)), body="\n".join(body))
 
 
 # -- the module section ------------------------------------------------------------------------
@@ -543,6 +580,7 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 name=kernel.name,
                 role=("bwd_" if prog.direction == "backward" else "") + kernel.name,
                 function=kernel_function_name(prog, kernel),
+                grid="key_head_grid" if key_head_results(ctx) else "chunk_grid",
                 args=", ".join(kernel_params(ctx)),
             )
         )
@@ -589,9 +627,8 @@ def _backward_launcher(item: BackwardPlan) -> str:
         results.append(
             dict(
                 param=result_param(role),
-                shape=RESULT_SHAPES[shape],
+                shape="(B, T, H, K)" if is_key_head_result(role) else RESULT_SHAPES[shape],
                 input=name,
-                per_key_head=name in ("q", "k"),
                 per_chunk=shape == (),
             )
         )
