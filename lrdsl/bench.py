@@ -99,8 +99,17 @@ def _max_difference(ours, theirs) -> float:
     return max(relative_error(a.float(), b.float()) for a, b in zip(ours, theirs))
 
 
-def bench(module, rec, shapes, plans, kernel: str = "chunk", backward: bool = False, seed: int = 0) -> list[BenchRow]:
+def bench(module, rec, shapes, plans, kernel: str = "chunk", backward: bool = False, seed: int = 0,
+          on_row=None) -> list[BenchRow]:
+    """Rows for every shape: FLA's (where it has a baseline), then lrdsl's per plan. `on_row` is
+    called with each row as soon as it is measured (a long run shows progress)."""
     rows = []
+
+    def record(row: BenchRow) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     fla = fla_functions(rec)
     generator = torch.Generator().manual_seed(seed)
     for shape in shapes:
@@ -122,7 +131,7 @@ def bench(module, rec, shapes, plans, kernel: str = "chunk", backward: bool = Fa
         if fla_fn is not None:
             try:
                 ms, tflops, peak, cold, fla_out = _measure(runner(fla_fn), flops)
-                rows.append(BenchRow("fla-core", kernel + ("+bwd" if backward else ""), str(shape), ms, tflops, peak, cold))
+                record(BenchRow("fla-core", kernel + ("+bwd" if backward else ""), str(shape), ms, tflops, peak, cold))
             except Exception as exc:  # FLA may refuse a shape or a GPU; record it and go on
                 print(f"fla-core {kernel} {shape}: {type(exc).__name__}: {str(exc)[:160]}")
         for plan in plans if kernel == "chunk" else [None]:
@@ -130,7 +139,7 @@ def bench(module, rec, shapes, plans, kernel: str = "chunk", backward: bool = Fa
             ms, tflops, peak, cold, out = _measure(runner(getattr(module, kernel), **options), flops)
             diff = _max_difference(_outputs(out, backward), _outputs(fla_out, backward)) if fla_out is not None else None
             label = f"{kernel}[{plan}]" if plan else kernel
-            rows.append(BenchRow("lrdsl", label + ("+bwd" if backward else ""), str(shape), ms, tflops, peak, cold, diff))
+            record(BenchRow("lrdsl", label + ("+bwd" if backward else ""), str(shape), ms, tflops, peak, cold, diff))
     return rows
 
 
@@ -144,13 +153,12 @@ def _outputs(out, backward: bool):
     return out if backward else (out[0],)
 
 
-def format_rows(rows: list[BenchRow]) -> str:
-    header = f"{'impl':<9} {'kernel':<19} {'shape':<38} {'ms':>8} {'TFLOP/s':>8} {'peak MiB':>9} {'cold s':>7} {'vs FLA':>8}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        diff = f"{r.diff_vs_fla:.1e}" if r.diff_vs_fla is not None else "-"
-        lines.append(f"{r.impl:<9} {r.kernel:<19} {r.shape:<38} {r.ms:>8.3f} {r.tflops:>8.1f} {r.peak_mib:>9.0f} {r.cold_s:>7.1f} {diff:>8}")
-    return "\n".join(lines)
+HEADER = f"{'impl':<9} {'kernel':<19} {'shape':<38} {'ms':>8} {'TFLOP/s':>8} {'peak MiB':>9} {'cold s':>7} {'vs FLA':>8}"
+
+
+def format_row(r: BenchRow) -> str:
+    diff = f"{r.diff_vs_fla:.1e}" if r.diff_vs_fla is not None else "-"
+    return f"{r.impl:<9} {r.kernel:<19} {r.shape:<38} {r.ms:>8.3f} {r.tflops:>8.1f} {r.peak_mib:>9.0f} {r.cold_s:>7.1f} {diff:>8}"
 
 
 def to_json(rows: list[BenchRow]) -> str:

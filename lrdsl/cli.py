@@ -150,7 +150,9 @@ def cmd_bench(args) -> int:
     import torch
 
     from . import load
-    from .bench import DECODE_SHAPES, TRAINING_SHAPES, allow_fla_gated_backward_on_hopper, bench, format_rows, to_json
+    from .bench import (
+        DECODE_SHAPES, HEADER, TRAINING_SHAPES, allow_fla_gated_backward_on_hopper, bench, format_row, to_json,
+    )
     from .passes.pipeline import run_pipeline
     from .spec import load_spec
 
@@ -168,8 +170,9 @@ def cmd_bench(args) -> int:
     print(f"{rec.name}: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.backward and allow_fla_gated_backward_on_hopper():
         print("note: fla-core's refusal of its gated backward on Hopper with triton < 3.7.1 is lifted to time it")
-    rows = bench(module, rec, shapes, plans, kernel=kernel, backward=args.backward)
-    print(format_rows(rows))
+    print(f"{HEADER}\n{'-' * len(HEADER)}")
+    rows = bench(module, rec, shapes, plans, kernel=kernel, backward=args.backward,
+                 on_row=lambda row: print(format_row(row), flush=True))
     if args.json:
         Path(args.json).write_text(to_json(rows))
     return 0

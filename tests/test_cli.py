@@ -10,12 +10,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from lrdsl import reference
 from lrdsl.workloads import Shape, make_inputs
 
-from conftest import INTERPRETED, ROOT
+from conftest import HAS_GPU, INTERPRETED, ROOT
 from helpers import assert_close, recurrence, spec_path
 
 LRDSL_SCRIPT = Path(sys.executable).parent / "lrdsl"
@@ -207,3 +208,8 @@ def test_readme_main_command_runs():
     assert re.search(r"recurrent\s+dense\+h0\+l2norm\s+float32", result.stdout)
     where = "CPU, Triton interpreter" if INTERPRETED else "NVIDIA"
     assert where in result.stdout
+
+
+@pytest.mark.skipif(HAS_GPU, reason="with a GPU, bench times the training shapes (minutes)")
+def test_bench_without_gpu_is_a_one_line_error():
+    assert_one_line_error(run(["bench", "specs/gdn.toml", "--backward"]), "bench needs a CUDA GPU")
