@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 import torch
 import torch.utils._python_dispatch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lrdsl import reference
 from lrdsl.errors import IRError
@@ -172,6 +174,25 @@ def assert_gradients(errors: dict, what: str):
 def test_chunk_gradients(name, case, generator, device):
     chunk_size = {"gva1_h0_dht": 16, "gva2_varlen_empty_len1": 16, "gva3_l2norm_no_h0": 32, "odd_T_scale": 64}[case]
     assert_gradients(gradient_errors(name, GRAD_CASES[case], generator, device, chunk_size=chunk_size), f"{name} {case}")
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    B=st.integers(1, 2),
+    T=st.integers(1, 40),
+    H=st.integers(1, 2),
+    group=st.integers(1, 3),
+    K=st.sampled_from([8, 20, 33]),
+    V=st.sampled_from([8, 24, 40]),
+    chunk_size=st.sampled_from([16, 32, 64]),
+    h0=st.booleans(),
+    dht=st.booleans(),
+    name=st.sampled_from(CORE_SPECS),
+)
+def test_chunk_gradients_property_shapes(B, T, H, group, K, V, chunk_size, h0, dht, name, generator, device):
+    case = dict(shape=Shape(B, T, H, H * group, K, V), h0=h0, dht=dht)
+    errors = gradient_errors(name, case, generator, device, chunk_size=chunk_size)
+    assert_gradients(errors, f"{name} {case} C={chunk_size}")
 
 
 @pytest.mark.parametrize("name", ["gdn_qwen35", "retnet"])

@@ -527,8 +527,8 @@ def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
             next_var=var(prog.output("state")),
             body=indent(emit_scan_body(ctx), 8),
         )
-    body = emit_chunk_body(ctx)
-    return render("chunk_kernel.py.jinja", **common, key_head_programs=bool(key_head_results(ctx)), body="\n".join(body))
+    body = "\n".join(emit_chunk_body(ctx))
+    return render("chunk_kernel.py.jinja", **common, key_head_programs=bool(key_head_results(ctx)), body=body)
 
 
 # -- the module section ------------------------------------------------------------------------
