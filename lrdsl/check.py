@@ -20,10 +20,13 @@ class CheckRow:
     state_error: float
     limit: float
     ms: float
+    grad_error: float | None = None  # the worst gradient's error (None: gradients not checked)
+    grad_worst: str = ""  # which input's gradient that is
 
     @property
     def ok(self) -> bool:
-        return self.out_error <= self.limit and self.state_error <= self.limit
+        errors = [self.out_error, self.state_error] + ([self.grad_error] if self.grad_error is not None else [])
+        return all(e <= self.limit for e in errors)
 
 
 def varlen_bounds(T: int) -> list[int]:
@@ -65,11 +68,17 @@ def check_module(
     seed: int | None = None,
     timed: bool = True,
     all_chunk_configs: bool = True,
+    gradients: bool = True,
 ) -> list[CheckRow]:
     """Every kernel config on two cases (dense with initial state and in-kernel L2 norm; varlen
-    with empty and length-1 sequences) per dtype, each against one oracle run on the same inputs."""
+    with empty and length-1 sequences) per dtype, each against one oracle run on the same inputs.
+    With `gradients` (and a chunk form, which gradients need) also the gradients of every input
+    and the initial state, for the loss <o, dO> + <final state, dS>, against autograd through
+    the oracle."""
     generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     configs = kernel_configs(module, all_chunk_configs)
+    gradients = gradients and hasattr(module, "chunk")
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs] + ["initial_state"]
     rows = []
     for case in ("dense+h0+l2norm", "varlen+h0"):
         if case.startswith("varlen"):
@@ -88,16 +97,31 @@ def check_module(
                 use_qk_l2norm_in_kernel=l2norm,
             )
             dev = [t.to(device) for t in tensors]
-            reference_out = None
+            d_o = torch.randn(case_shape.B, case_shape.T, shape.HV, shape.V, generator=generator)
+            d_state = torch.randn(N, shape.HV, shape.K, shape.V, generator=generator)
+            oracle_kwargs = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm)
+            reference_out = reference_grads = None
             for label, function, options in configs:
                 fn = getattr(module, function)
                 o, ht = fn(*dev, **kwargs, **options)  # before the oracle: the module validates the tensors
                 if reference_out is None:
-                    reference_out = reference.run(
-                        rec, *tensors, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                        use_qk_l2norm_in_kernel=l2norm,
-                    )
+                    reference_out = reference.run(rec, *tensors, initial_state=h0, **oracle_kwargs)
                 ms = _time(lambda: fn(*dev, **kwargs, **options), device, timed)
+                grad_error, grad_worst = None, ""
+                if gradients:
+                    if reference_grads is None:
+                        reference_grads = _gradients(
+                            lambda *leaves: reference.run(rec, *leaves[:-1], initial_state=leaves[-1], **oracle_kwargs),
+                            [t.double() for t in tensors] + [h0.double()], d_o.double(), d_state.double(),
+                        )
+                    call_kwargs = {**kwargs, **options}
+                    grads = _gradients(
+                        lambda *leaves: fn(*leaves[:-1], **{**call_kwargs, "initial_state": leaves[-1]}),
+                        dev + [h0.to(device)], d_o.to(device), d_state.to(device),
+                    )
+                    errors = {n: relative_error(a, b) for n, a, b in zip(names, grads, reference_grads)}
+                    grad_worst = max(errors, key=errors.get)  # NaN/Inf count as inf
+                    grad_error = errors[grad_worst]
                 rows.append(
                     CheckRow(
                         kernel=label,
@@ -107,18 +131,31 @@ def check_module(
                         state_error=relative_error(ht, reference_out[1]),
                         limit=TOLERANCE[dtype],
                         ms=ms,
+                        grad_error=grad_error,
+                        grad_worst=grad_worst,
                     )
                 )
     return rows
 
 
+def _gradients(run, inputs, d_o, d_state):
+    """Gradients of <o, d_o> + <final state, d_state> w.r.t. `inputs` (the last one: the initial
+    state), where run(*leaves) returns (o, final state)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    o, final_state = run(*leaves)
+    loss = (o * d_o).sum() + (final_state * d_state).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
 def format_rows(rows: list[CheckRow]) -> str:
-    header = f"{'kernel':<17} {'case':<16} {'dtype':<9} {'o rel.err':>10} {'state rel.err':>13} {'limit':>7} {'ms':>9}  ok"
+    header = (f"{'kernel':<17} {'case':<16} {'dtype':<9} {'o rel.err':>10} {'state rel.err':>13} "
+              f"{'worst grad rel.err':>24} {'limit':>7} {'ms':>9}  ok")
     lines = [header, "-" * len(header)]
     for r in rows:
+        grad = "-" if r.grad_error is None else f"{r.grad_error:.2e} ({r.grad_worst})"
         lines.append(
             f"{r.kernel:<17} {r.case:<16} {r.dtype:<9} {r.out_error:>10.2e} {r.state_error:>13.2e} "
-            f"{r.limit:>7.0e} {_ms(r.ms):>9}  {'ok' if r.ok else 'FAIL'}"
+            f"{grad:>24} {r.limit:>7.0e} {_ms(r.ms):>9}  {'ok' if r.ok else 'FAIL'}"
         )
     return "\n".join(lines)
 

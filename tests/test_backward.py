@@ -317,3 +317,26 @@ def test_gradcheck_float64(device):
         return o, ht
 
     assert torch.autograd.gradcheck(fn, (*tensors, h0), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
+
+
+def test_check_reports_a_gradient_error_the_forward_hides(generator, device):
+    """`lrdsl check` compares gradients too: right outputs with wrong gradients fail."""
+    from types import SimpleNamespace
+
+    from lrdsl.check import check_module
+
+    rec, mod = recurrence("deltanet"), module("deltanet")
+
+    def chunk_with_wrong_gradient(*args, **kwargs):
+        o, ht = mod.chunk(*args, **kwargs)
+        return o + 0.5 * (o - o.detach()), ht  # the same values; gradients through o 1.5x too large
+
+    shim = SimpleNamespace(chunk=chunk_with_wrong_gradient, recurrent=mod.recurrent, DEFAULT_CHUNK_PLAN="split")
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    rows = check_module(shim, rec, Shape(1, 12, 1, 2, 8, 8), device=device, seed=seed, timed=False, all_chunk_configs=False)
+    by_kernel = {(row.kernel, row.case): row for row in rows}
+    for case in ("dense+h0+l2norm", "varlen+h0"):
+        assert by_kernel["recurrent", case].ok
+        wrong = by_kernel["chunk[split,64]", case]
+        assert wrong.out_error <= wrong.limit and wrong.state_error <= wrong.limit
+        assert wrong.grad_error > 0.1 and not wrong.ok
