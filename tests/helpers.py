@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sympy
 import torch
+from hypothesis import strategies as st
 
 import lrdsl
 from lrdsl import reference
@@ -14,6 +15,19 @@ from conftest import SPECS
 
 CORE_SPECS = ("gdn", "deltanet", "simple_gla", "linear_attn")
 ALL_SPECS = tuple(sorted(p.stem for p in SPECS.glob("*.toml")))
+
+# hypothesis strategies of the property tests: shapes (HV = H * group; K and V not powers of two
+# too), a chunk size, a core spec
+SHAPE_STRATEGIES = dict(
+    B=st.integers(1, 2),
+    T=st.integers(1, 40),
+    H=st.integers(1, 2),
+    group=st.integers(1, 3),
+    K=st.sampled_from([8, 20, 33]),
+    V=st.sampled_from([8, 24, 40]),
+    chunk_size=st.sampled_from([16, 32, 64]),
+    name=st.sampled_from(CORE_SPECS),
+)
 
 
 def spec_path(name: str) -> str:

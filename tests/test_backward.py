@@ -20,7 +20,7 @@ from lrdsl.prove import prove_backward
 from lrdsl.spec import load_spec
 from lrdsl.workloads import Shape, relative_error
 
-from helpers import ALL_SPECS, CORE_SPECS, direct_input, module, recurrence, sample, spec_path
+from helpers import ALL_SPECS, CORE_SPECS, SHAPE_STRATEGIES, direct_input, module, recurrence, sample, spec_path
 
 GRAD_LIMIT = 3e-3
 CHUNKED = [n for n in ALL_SPECS if not isinstance(run_pipeline(load_spec(spec_path(n)), until="chunk")["chunk"], NoChunkForm)]
@@ -177,18 +177,7 @@ def test_chunk_gradients(name, case, generator, device):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    B=st.integers(1, 2),
-    T=st.integers(1, 40),
-    H=st.integers(1, 2),
-    group=st.integers(1, 3),
-    K=st.sampled_from([8, 20, 33]),
-    V=st.sampled_from([8, 24, 40]),
-    chunk_size=st.sampled_from([16, 32, 64]),
-    h0=st.booleans(),
-    dht=st.booleans(),
-    name=st.sampled_from(CORE_SPECS),
-)
+@given(**SHAPE_STRATEGIES, h0=st.booleans(), dht=st.booleans())
 def test_chunk_gradients_property_shapes(B, T, H, group, K, V, chunk_size, h0, dht, name, generator, device):
     case = dict(shape=Shape(B, T, H, H * group, K, V), h0=h0, dht=dht)
     errors = gradient_errors(name, case, generator, device, chunk_size=chunk_size)

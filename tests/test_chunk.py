@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from lrdsl import reference
 from lrdsl.workloads import Shape, relative_error
@@ -15,6 +14,7 @@ from helpers import (
     CORE_SPECS,
     GATE_EXTREMES,
     SHAPE_CASES,
+    SHAPE_STRATEGIES,
     assert_close,
     direct_input,
     module,
@@ -151,16 +151,7 @@ def test_head_dim_256(name, generator, device):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    B=st.integers(1, 2),
-    T=st.integers(1, 40),
-    H=st.integers(1, 2),
-    group=st.integers(1, 3),
-    K=st.sampled_from([8, 20, 33]),
-    V=st.sampled_from([8, 24, 40]),
-    chunk_size=st.sampled_from([16, 32, 64]),
-    name=st.sampled_from(CORE_SPECS),
-)
+@given(**SHAPE_STRATEGIES)
 def test_chunk_property_shapes(B, T, H, group, K, V, chunk_size, name, generator, device):
     case = dict(shape=Shape(B, T, H, H * group, K, V), dtype=torch.float32, h0=True)
     run_case(module(name), recurrence(name), "chunk", case, generator, device, chunk_size=chunk_size)
