@@ -114,3 +114,25 @@ def test_ir_nodes_are_frozen_and_hashable():
     assert hash(step) == hash(derive_step(rec))
     with pytest.raises(dataclasses.FrozenInstanceError):
         rec.name = "other"
+
+
+def test_type_registries_name_what_is_missing():
+    """IR lookups by type (emitters, adjoint rules, verifiers) fail with one named lrdsl error."""
+    from lrdsl.codegen.chunk import CHUNK_EMITTERS
+    from lrdsl.errors import CompileError, IRError
+    from lrdsl.passes.autodiff import ADJOINTS
+    from lrdsl.passes.verify import verify
+
+    class UnknownOp:
+        pass
+
+    with pytest.raises(CompileError, match="no chunk kernel emitter for UnknownOp"):
+        CHUNK_EMITTERS.lookup(UnknownOp())
+    with pytest.raises(IRError, match="no adjoint rule for UnknownOp"):
+        ADJOINTS.lookup(UnknownOp())
+    with pytest.raises(IRError, match="no verifier for UnknownOp"):
+        verify(UnknownOp())
+    from lrdsl.ir.chunk import MatMul
+
+    with pytest.raises(ValueError, match="a second adjoint rule for MatMul"):
+        ADJOINTS.register(MatMul)(lambda *args: None)

@@ -39,11 +39,11 @@ from ..ir.chunk import (
 from ..ir.formula import HEAD_INDEX
 from ..ir.plan import BackwardPlan, Kernel, Plan
 from ..ir.recurrence import InputRole
-from .emitters import EmitterRegistry
+from ..registry import TypeRegistry
 from .printer import to_triton
 from .templating import indent, render
 
-CHUNK_EMITTERS = EmitterRegistry("chunk kernel")
+CHUNK_EMITTERS = TypeRegistry("chunk kernel emitter", CompileError)
 
 BLOCK_DIMS = {"C": "BT", "K": "BK", "V": "BV"}
 SOLVE_BLOCK = 16  # the triangular solve works on 16 x 16 blocks
@@ -372,7 +372,7 @@ def _op_lines(ctx: KernelContext, value: str) -> list[str]:
     """An op's lines: a comment with its formula, its code, then its stores."""
     op: ChunkOp = ctx.prog.op(value)
     lines = [f"# {value} = {op.describe()}"]
-    lines.extend(CHUNK_EMITTERS.emit(op, ctx))
+    lines.extend(CHUNK_EMITTERS.lookup(op)(op, ctx))
     if ctx.stored_here(value) and not isinstance(op, UnitLowerInverse):  # a solve stores its own result
         lines.extend(emit_buffer_store(value, ctx))
     for role, result in ctx.prog.results:

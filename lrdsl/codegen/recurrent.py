@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import CompileError
 from ..ir.formula import HEAD_INDEX
 from ..ir.recurrence import InputRole
 from ..ir.step import (
@@ -24,11 +25,11 @@ from ..ir.step import (
     StoreOutput,
     WriteState,
 )
-from .emitters import EmitterRegistry
+from ..registry import TypeRegistry
 from .printer import to_triton
 from .templating import indent, render
 
-STEP_EMITTERS = EmitterRegistry("recurrent kernel")
+STEP_EMITTERS = TypeRegistry("recurrent kernel emitter", CompileError)
 
 
 @dataclass
@@ -152,10 +153,10 @@ def emit_recurrent_kernel(prog: StepProgram) -> str:
     body: list[str] = []
     advance: list[str] = []
     for op in prog.prologue:
-        emission = STEP_EMITTERS.emit(op, prog)
+        emission = STEP_EMITTERS.lookup(op)(op, prog)
         setup += emission.setup + emission.lines
     for op in prog.body:
-        emission = STEP_EMITTERS.emit(op, prog)
+        emission = STEP_EMITTERS.lookup(op)(op, prog)
         setup += emission.setup
         body += emission.lines
         advance += emission.advance

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sympy
 
+from ..errors import IRError
 from ..ir.chunk import (
     COTANGENT,
     SAVED,
@@ -45,20 +46,14 @@ from ..ir.chunk import (
     UnitLowerInverse,
 )
 from ..ir.plan import ChunkPlans
+from ..registry import TypeRegistry
 from .derive_chunk import Builder
 
 NOT_DIFFERENTIABLE = ("scale", "h")  # Load sources that take no gradient
 LN2 = sympy.log(2)
 
-ADJOINTS = {}
-
-
-def adjoint(op_type):
-    def register(fn):
-        ADJOINTS[op_type] = fn
-        return fn
-
-    return register
+ADJOINTS = TypeRegistry("adjoint rule", IRError)
+adjoint = ADJOINTS.register
 
 
 class Sweep:
@@ -224,7 +219,7 @@ def autodiff(plans: ChunkPlans | NoChunkForm) -> ChunkProgram | NoChunkForm:
             if op.source not in NOT_DIFFERENTIABLE:
                 outputs.append((f"grad:{op.source}", dy))
         else:
-            for arg, contribution in ADJOINTS[type(op)](op, dy, sweep):
+            for arg, contribution in ADJOINTS.lookup(op)(op, dy, sweep):
                 sweep.contribute(arg, contribution)
     outputs = _order_outputs(forward, outputs)
     return ChunkProgram(forward.recurrence, _live_ops(b.ops, [v for _, v in outputs]), tuple(outputs), "backward")

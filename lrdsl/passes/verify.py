@@ -29,23 +29,14 @@ from ..ir.formula import HEAD_INDEX
 from ..ir.plan import BackwardPlan, ChunkPlans, StageGraph
 from ..ir.recurrence import GateKind, Recurrence
 from ..ir.step import DecayState, DeltaResidual, Formula, PredictValue, ReadOutput, ScaleValue, StepProgram, WriteState
+from ..registry import TypeRegistry
 
-_VERIFIERS = {}
-
-
-def verifies(ir_type):
-    def register(fn):
-        _VERIFIERS[ir_type] = fn
-        return fn
-
-    return register
+_VERIFIERS = TypeRegistry("verifier", IRError)
+verifies = _VERIFIERS.register
 
 
 def verify(ir) -> None:
-    checker = _VERIFIERS.get(type(ir))
-    if checker is None:
-        raise IRError(f"no verifier for IR of type {type(ir).__name__}")
-    checker(ir)
+    _VERIFIERS.lookup(ir)(ir)
 
 
 def _require(condition: bool, message: str) -> None:
