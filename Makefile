@@ -2,7 +2,8 @@
 #   make demo   compile specs/gdn.toml, run its kernels against the float64 oracle, print errors and times
 #   make test   run the test suite
 # Both create .venv and install lrdsl with its dependencies first (CPU machines get torch 2.13.0 and
-# triton 3.6.0; without a GPU the kernels run on Triton's CPU interpreter).
+# triton 3.6.0; without a GPU the kernels run on Triton's CPU interpreter). numpy < 2.4: Triton 3.6's
+# interpreter cannot take a loaded loop bound (the scans' `for` over chunks) with numpy >= 2.4.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "triton==3.6.0"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test]" "numpy<2.4"
 	touch $(STAMP)
 
 demo: $(STAMP)
