@@ -181,7 +181,8 @@ def test_plain_update_needs_no_solve():
 def test_verify_catches_a_plan_reading_an_unstored_buffer():
     plans = plan_kernels(build_stage_graph(program("gdn")))
     fused = plans.plan("fused")
-    broken_kernel = dataclasses.replace(fused.kernels[0], stores=("A", "T", "W"))  # U no longer stored
+    stores = tuple(v for v in fused.kernels[0].stores if v != "U")  # U no longer stored
+    broken_kernel = dataclasses.replace(fused.kernels[0], stores=stores)
     broken = dataclasses.replace(fused, kernels=(broken_kernel,) + fused.kernels[1:])
     with pytest.raises(IRError, match="reads U"):
         verify(dataclasses.replace(plans, plans=tuple(broken if p.name == "fused" else p for p in plans.plans)))
@@ -196,3 +197,26 @@ def test_every_pass_verifies_with_chunk_stages(name):
 
     stages = run_pipeline(load_spec(spec_path(name)), check=True)
     assert {"chunk", "stages", "plan"} <= set(stages)
+
+
+@pytest.mark.parametrize("name", CORE_SPECS)
+def test_scan_runs_only_what_depends_on_the_state(name):
+    """The scan is sequential: it loads the prepare values it needs instead of recomputing them
+    (no norms or cumsums of prepare values inside it), forward and backward. K x V values, as
+    large as the state, are the exception: the scan recomputes them."""
+    from lrdsl.ir.chunk import Formula, Load
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec
+
+    from helpers import spec_path
+
+    stages = run_pipeline(load_spec(spec_path(name)))
+    for graph_stage, plan_stage in (("stages", "plan"), ("backward_stages", "backward_plan")):
+        graph, plans = stages[graph_stage], stages[plan_stage]
+        prog = graph.program
+        for plan in plans.plans:
+            scan = next(k for k in plan.kernels if k.kind == "scan")
+            for value in scan.computes:
+                op = prog.op(value)
+                recomputed = isinstance(op, (Load, Formula)) or op.shape == ("K", "V")
+                assert graph.phase(value) == "scan" or recomputed, (plan.name, value, op)

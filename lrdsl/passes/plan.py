@@ -3,12 +3,14 @@
 Rules, in the order they apply:
  1. The scan kernel runs the scan phase, the output kernel the output phase (o, or in a backward
     program every gradient).
- 2. A value a kernel needs but does not compute is recomputed there when it is cheap (loads,
-    elementwise ops, cumsums: no matmul or solve among its ancestors); otherwise it crosses
-    kernels through a buffer.
- 3. Expensive prepare values the scan needs are computed by prepare kernels and stored, but
-    for K x V values (as large as a state), which the scan recomputes. Expensive prepare values
-    only the output needs are computed in the output kernel.
+ 2. A value a kernel needs is loaded when an earlier kernel stored it (rules 3-5 say which
+    values cross kernels through buffers) and recomputed there otherwise.
+ 3. The scan is sequential: every op in it is on the critical path of the whole call. So the
+    prepare values the scan reads are computed by prepare kernels and stored (the scan only
+    loads them), unless recomputing one costs no more than loading it: a call input, or an
+    elementwise formula of one tile of its own shape and scalars (d_O * scale). K x V values
+    (as large as a state) are recomputed by the scan. Expensive prepare values only the output
+    needs are computed in the output kernel.
  4. The entry state and scan values the output reads are stored by the scan kernel; a scan
     value that is an elementwise function of one other tile is recomputed from that tile.
  5. A triangular solve works from memory: its input is stored before it, its result is stored
@@ -20,9 +22,7 @@ The plans differ in rule 3's grouping:
 """
 from __future__ import annotations
 
-import networkx as nx
-
-from ..ir.chunk import ChunkProgram, Formula, NoChunkForm, UnitLowerInverse
+from ..ir.chunk import Broadcast, ChunkProgram, Formula, Load, NoChunkForm, UnitLowerInverse
 from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
 
 PLAN_SUMMARIES = {
@@ -35,14 +35,7 @@ class _Planner:
     def __init__(self, stages: StageGraph):
         self.stages = stages
         self.prog: ChunkProgram = stages.program
-        self.graph = stages.graph()
         self.order = {op.out: i for i, op in enumerate(self.prog.ops)}
-        self.expensive = {op.out for op in self.prog.ops if op.expensive}
-
-    def cheap(self, value: str) -> bool:
-        """Recomputable anywhere: no matmul or solve at or before it, and not the entry state."""
-        ancestors = nx.ancestors(self.graph, value) | {value}
-        return not (ancestors & self.expensive) and self.prog.state_in not in ancestors
 
     def closure(self, targets, available) -> list[str]:
         """Ops a kernel must evaluate to produce `targets`, reading `available` from memory."""
@@ -70,7 +63,7 @@ class _Planner:
         solves = [op for op in self.prog.ops if isinstance(op, UnitLowerInverse)]
         # a K x V value is as large as a state: the scan recomputes it rather than reading it
         prepared = sorted(
-            (v for v in self.inputs_of(scan_values) if not self.cheap(v) and self.prog.shape(v) != ("K", "V")),
+            (v for v in self.scan_frontier(scan_values) if not self.as_cheap_as_a_load(v) and self.prog.shape(v) != ("K", "V")),
             key=self.order.get,
         )
         memory = set(prepared) | {op.a for op in solves} | {op.out for op in solves}
@@ -95,6 +88,33 @@ class _Planner:
             for v in sorted(stored, key=self.order.get)
         )
         return Plan(name, PLAN_SUMMARIES[name], tuple(kernels), buffers)
+
+    def scan_frontier(self, scan_values: set[str]) -> set[str]:
+        """The prepare values the scan reads: inputs of its ops, and the inputs of the K x V
+        values among them (which the scan recomputes rather than loads)."""
+        frontier, stack = set(), list(self.inputs_of(scan_values))
+        while stack:
+            value = stack.pop()
+            if value in frontier:
+                continue
+            frontier.add(value)
+            if self.prog.shape(value) == ("K", "V"):
+                stack.extend(self.prog.op(value).args())
+        return frontier
+
+    def as_cheap_as_a_load(self, value: str) -> bool:
+        """Recomputing `value` reads no more memory than loading it would and does no row-wise
+        work (sums, cumsums, norms): a call input, or elementwise formulas and broadcasts of at
+        most one tile of `value`'s shape plus scalars that are themselves this cheap."""
+        op = self.prog.op(value)
+        if isinstance(op, Load):
+            return True
+        if not isinstance(op, (Formula, Broadcast)):
+            return False
+        tiles = [a for a in op.args() if self.prog.shape(a) != ()]
+        if len(tiles) > 1 or any(self.prog.shape(a) != op.shape for a in tiles):
+            return False
+        return all(self.as_cheap_as_a_load(a) for a in op.args())
 
     def follows_one_tile(self, value: str) -> bool:
         op = self.prog.op(value)
