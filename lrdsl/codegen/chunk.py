@@ -82,6 +82,14 @@ class KernelContext:
     def stored_here(self, value: str) -> bool:
         return value in self.kernel.stores
 
+    def load_dtype(self, value: str) -> str:
+        """The register dtype a loaded value gets: DOT_DTYPE when only matmuls read it here (a
+        16-bit operand stays 16-bit: half the registers, no round trip through fp32), else ACC."""
+        readers = [self.prog.op(v) for v in self.kernel.computes if value in self.prog.op(v).args()]
+        if readers and all(isinstance(op, MatMul) for op in readers) and not self.stored_here(value):
+            return "DOT_DTYPE"
+        return "ACC"
+
 
 # -- addressing --------------------------------------------------------------------------------
 
@@ -108,10 +116,10 @@ def buffer_address(shape) -> tuple[str, str]:
     return tile_address(shape, "HV", "i_hv", width)
 
 
-def load_line(target: str, pointer: str, offsets: str, mask: str) -> str:
+def load_line(target: str, pointer: str, offsets: str, mask: str, dtype: str = "ACC") -> str:
     if not mask:
-        return f"{target} = tl.load({pointer} + {offsets}).to(ACC)"
-    return f"{target} = tl.load({pointer} + {offsets}, mask={mask}, other=0.0).to(ACC)"
+        return f"{target} = tl.load({pointer} + {offsets}).to({dtype})"
+    return f"{target} = tl.load({pointer} + {offsets}, mask={mask}, other=0.0).to({dtype})"
 
 
 def store_line(pointer: str, offsets: str, mask: str, value: str) -> str:
@@ -121,7 +129,8 @@ def store_line(pointer: str, offsets: str, mask: str, value: str) -> str:
 
 def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
     offsets, mask = buffer_address(ctx.shape(value))
-    return [f"# {value}: stored by an earlier kernel", load_line(var(value), buffer_param(value), offsets, mask)]
+    line = load_line(var(value), buffer_param(value), offsets, mask, ctx.load_dtype(value))
+    return [f"# {value}: stored by an earlier kernel", line]
 
 
 def emit_buffer_store(value: str, ctx: KernelContext) -> list[str]:
@@ -141,13 +150,13 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
         return [f"{target} = i_hv.to(ACC)  # the value-head index h"]
     if op.source in ("q", "k"):
         offsets, mask = tile_address(op.shape, "H", "i_h", "K")
-        return [load_line(target, op.source, offsets, mask)]
+        return [load_line(target, op.source, offsets, mask, ctx.load_dtype(op.out))]
     if op.source in ("v", COTANGENT):
         offsets, mask = tile_address(op.shape, "HV", "i_hv", "V")
-        return [load_line(target, "v" if op.source == "v" else "d_o", offsets, mask)]
+        return [load_line(target, "v" if op.source == "v" else "d_o", offsets, mask, ctx.load_dtype(op.out))]
     if op.source.startswith(SAVED):
         offsets, mask = buffer_address(op.shape)
-        return [load_line(target, saved_param(op.source), offsets, mask)]
+        return [load_line(target, saved_param(op.source), offsets, mask, ctx.load_dtype(op.out))]
     role = ctx.prog.recurrence.input(op.source).role
     if role is InputRole.HEAD:
         return [load_line(target, op.source, "i_hv", "")]
@@ -365,7 +374,30 @@ def _segments(ctx: KernelContext) -> tuple[dict[str, tuple[str, int]], set[str]]
             accumulators.add(value)
         else:
             place[value] = ("plain", max([ready(a) for a in op.args()], default=0))
+    _sink_plain_values(ctx, place)
     return place, accumulators
+
+
+def _first_reader_segment(ctx: KernelContext, place: dict[str, tuple[str, int]], value: str) -> int | None:
+    """The segment index before which `value` must be ready: a reader in plain segment i or in
+    V loop i (a sum accumulates in loop i) needs it in plain segment i. None: no reader here."""
+    segments = [place[v][1] for v in ctx.kernel.computes if value in ctx.prog.op(v).args()]
+    return min(segments, default=None)
+
+
+def _sink_plain_values(ctx: KernelContext, place: dict[str, tuple[str, int]]) -> None:
+    """Move each plain value (no V axis) down to the last plain segment before its first reader.
+
+    Placed at the earliest segment its arguments allow, a tile computed before a V loop but read
+    only after it stays live across the loop: registers held for nothing (or spilled) while the
+    loop runs. Readers are placed first (reverse program order), so a chain sinks together."""
+    for value in reversed(ctx.kernel.computes):
+        kind, index = place[value]
+        if kind != "plain":
+            continue
+        first = _first_reader_segment(ctx, place, value)
+        if first is not None and first > index:
+            place[value] = ("plain", first)
 
 
 def _op_lines(ctx: KernelContext, value: str) -> list[str]:
@@ -460,7 +492,7 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
 
     for value in ctx.kernel.loads:
         if not _has_v(ctx.shape(value)) and not _read_only_by_solves(ctx, value):  # a solve reads blocks itself
-            plain[0].extend(emit_buffer_load(value, ctx))
+            plain[_first_reader_segment(ctx, place, value) or 0].extend(emit_buffer_load(value, ctx))
     for value in ctx.kernel.computes:
         op = ctx.prog.op(value)
         kind, index = place[value]
@@ -540,11 +572,11 @@ CHUNK_LAUNCH = {
     "system": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "solve": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "apply": {"BV": 64, "num_warps": 4, "num_stages": 2},
-    "scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    "scan": {"BV": 32, "num_warps": 4, "num_stages": 3},
     "output": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
-    "bwd_output": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "bwd_output": {"BV": 64, "num_warps": 8, "num_stages": 1},
 }
 # Smaller settings where the backward's output kernel holds larger tiles, else it runs out of
 # shared memory: K > 128 key channels (bf16 operands), or fp32 operands (precision="tf32").
