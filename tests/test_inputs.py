@@ -113,3 +113,27 @@ def test_missing_positional_argument(gdn):
     mod, (q, k, v, g, beta) = gdn
     with pytest.raises(TypeError, match="beta"):
         mod.recurrent(q, k, v, g)
+
+
+def test_tf32_chunk_size_default_and_limit(device):
+    """precision="tf32" takes chunk_size 32 by default; 64 does not fit a GPU block's shared
+    memory with fp32 operands and is refused with one line naming the limit."""
+    import pytest
+    import torch
+
+    from helpers import module
+
+    mod = module("gdn")
+    q = torch.randn(1, 40, 1, 16, device=device)
+    v = torch.randn(1, 40, 2, 16, device=device)
+    g, beta = -torch.rand(1, 40, 2, device=device), torch.rand(1, 40, 2, device=device)
+    from lrdsl import reference
+    from lrdsl.workloads import relative_error
+
+    from helpers import recurrence
+
+    o, _ = mod.chunk(q, q, v, g, beta, precision="tf32")
+    expected, _ = reference.run(recurrence("gdn"), q.double(), q.double(), v.double(), g.double(), beta.double())
+    assert relative_error(o, expected) <= 2e-3
+    with pytest.raises(mod.InputError, match="chunk_size <= 32"):
+        mod.chunk(q, q, v, g, beta, precision="tf32", chunk_size=64)

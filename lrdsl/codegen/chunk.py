@@ -11,7 +11,7 @@ fp32 or wider.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import CompileError
 from ..ir.chunk import (
@@ -41,6 +41,7 @@ from ..ir.plan import BackwardPlan, Kernel, Plan
 from ..ir.recurrence import InputRole
 from ..registry import TypeRegistry
 from .printer import to_triton
+from .schedule import eager_sums, first_reader_segment, has_v, is_loadable, place_values
 from .templating import indent, render
 
 CHUNK_EMITTERS = TypeRegistry("chunk kernel emitter", CompileError)
@@ -68,6 +69,7 @@ class KernelContext:
     plan: Plan
     kernel: Kernel
     accumulators: frozenset = frozenset()  # values summed over the V loop: `+=` instead of `=`
+    eager: dict = field(default_factory=dict)  # term -> (sum, starts it): schedule.eager_sums
 
     def assign(self, value: str) -> str:
         return f"{var(value)} {'+=' if value in self.accumulators else '='} "
@@ -294,10 +296,6 @@ def _unit_lower_inverse(op: UnitLowerInverse, ctx: KernelContext) -> list[str]:
 # -- kernels -----------------------------------------------------------------------------------
 
 
-def _has_v(shape) -> bool:
-    return "V" in shape
-
-
 def kernel_inputs(ctx: KernelContext) -> list[str]:
     """The call inputs a kernel reads: q, k, v, d_o, then the spec's inputs, in positional order."""
     sources = {ctx.prog.op(v).source for v in ctx.kernel.computes if isinstance(ctx.prog.op(v), Load)}
@@ -335,76 +333,21 @@ def _read_only_by_solves(ctx: KernelContext, value: str) -> bool:
     return bool(readers) and all(isinstance(op, UnitLowerInverse) for op in readers)
 
 
-def _is_loadable(ctx: KernelContext, value: str) -> bool:
-    """Values a kernel can (re)load wherever it needs them: call inputs and buffers."""
-    return value in ctx.kernel.loads or isinstance(ctx.prog.op(value), Load)
-
-
-def _segments(ctx: KernelContext) -> tuple[dict[str, tuple[str, int]], set[str]]:
-    """Where each value is computed: ("plain", i) before V loop i, or ("loop", i) inside it.
-
-    A value without a V axis that reads V tiles sums over V: it accumulates inside the loop of
-    its V inputs and is ready in the plain segment after it. Loads are placed where they are used.
-    """
-    place: dict[str, tuple[str, int]] = {}
-    accumulators = set()
-
-    def ready(arg: str) -> int:
-        """The earliest segment (plain or loop index) at which `arg` can be read."""
-        if _is_loadable(ctx, arg):
-            return 0
-        kind, index = place[arg]
-        return index + 1 if kind == "sum" else index
-
-    for value in ctx.kernel.computes:
-        op = ctx.prog.op(value)
-        if _is_loadable(ctx, value) and not _has_v(op.shape):
-            place[value] = ("plain", 0)
-            continue
-        if _has_v(op.shape):
-            index = max([ready(a) for a in op.args()], default=0)
-            for arg in op.args():
-                if not _is_loadable(ctx, arg) and place[arg][0] == "loop" and place[arg][1] != index:
-                    raise CompileError(f"{ctx.prog.recurrence.name}: {value} needs the V tile {arg} of an earlier V loop")
-            place[value] = ("loop", index)
-        elif any(_has_v(ctx.shape(a)) for a in op.args()):
-            if not isinstance(op, (MatMul, ReduceSum)):
-                raise CompileError(f"{ctx.prog.recurrence.name}: {value} sums over V but is no matmul or sum")
-            place[value] = ("sum", max(ready(a) for a in op.args()))
-            accumulators.add(value)
-        else:
-            place[value] = ("plain", max([ready(a) for a in op.args()], default=0))
-    _sink_plain_values(ctx, place)
-    return place, accumulators
-
-
-def _first_reader_segment(ctx: KernelContext, place: dict[str, tuple[str, int]], value: str) -> int | None:
-    """The segment index before which `value` must be ready: a reader in plain segment i or in
-    V loop i (a sum accumulates in loop i) needs it in plain segment i. None: no reader here."""
-    segments = [place[v][1] for v in ctx.kernel.computes if value in ctx.prog.op(v).args()]
-    return min(segments, default=None)
-
-
-def _sink_plain_values(ctx: KernelContext, place: dict[str, tuple[str, int]]) -> None:
-    """Move each plain value (no V axis) down to the last plain segment before its first reader.
-
-    Placed at the earliest segment its arguments allow, a tile computed before a V loop but read
-    only after it stays live across the loop: registers held for nothing (or spilled) while the
-    loop runs. Readers are placed first (reverse program order), so a chain sinks together."""
-    for value in reversed(ctx.kernel.computes):
-        kind, index = place[value]
-        if kind != "plain":
-            continue
-        first = _first_reader_segment(ctx, place, value)
-        if first is not None and first > index:
-            place[value] = ("plain", first)
-
-
 def _op_lines(ctx: KernelContext, value: str) -> list[str]:
     """An op's lines: a comment with its formula, its code, then its stores."""
     op: ChunkOp = ctx.prog.op(value)
     lines = [f"# {value} = {op.describe()}"]
-    lines.extend(CHUNK_EMITTERS.lookup(op)(op, ctx))
+    eager_terms = [t for t, (total, _) in ctx.eager.items() if total == value]
+    if eager_terms:
+        rest = [a for a in op.args() if a not in eager_terms]
+        lines[0] += f"   (accumulated as {', '.join(eager_terms)} were computed)"
+        if rest:
+            lines.append(f"{var(value)} += " + " + ".join(var(a) for a in rest))
+    else:
+        lines.extend(CHUNK_EMITTERS.lookup(op)(op, ctx))
+    if value in ctx.eager:
+        total, starts = ctx.eager[value]
+        lines.append(f"{var(total)} {'=' if starts else '+='} {var(value)}  # running sum {total}")
     if ctx.stored_here(value) and not isinstance(op, UnitLowerInverse):  # a solve stores its own result
         lines.extend(emit_buffer_store(value, ctx))
     for role, result in ctx.prog.results:
@@ -461,12 +404,13 @@ def emit_result_store(role: str, value: str, ctx: KernelContext) -> list[str]:
 
 def emit_scan_body(ctx: KernelContext) -> list[str]:
     """The scan's per-chunk body: every op in program order (its V block is the program's own)."""
+    ctx.eager = eager_sums(ctx, None)
     lines = []
     for value in ctx.kernel.loads:
         lines.extend(emit_buffer_load(value, ctx))
     for value in ctx.kernel.computes:
         op = ctx.prog.op(value)
-        if not _has_v(op.shape) and any(_has_v(ctx.shape(a)) for a in op.args()):
+        if not has_v(op.shape) and any(has_v(ctx.shape(a)) for a in op.args()):
             raise CompileError(f"{ctx.prog.recurrence.name}: {value} sums over V inside the scan, whose programs own one V block")
         lines.extend(_op_lines(ctx, value))
     return lines
@@ -474,8 +418,9 @@ def emit_scan_body(ctx: KernelContext) -> list[str]:
 
 def emit_chunk_body(ctx: KernelContext) -> list[str]:
     """A chunk-parallel kernel's body: plain segments and loops over blocks of V columns."""
-    place, accumulators = _segments(ctx)
+    place, accumulators = place_values(ctx)
     ctx.accumulators = frozenset(accumulators)
+    ctx.eager = eager_sums(ctx, place)
     count = 1 + max((i for kind, i in place.values() if kind != "plain"), default=-1)
     plain: list[list[str]] = [[] for _ in range(count + 1)]
     loops: list[list[str]] = [[] for _ in range(count)]
@@ -491,8 +436,8 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
             loops[index].extend(_op_lines(ctx, value))
 
     for value in ctx.kernel.loads:
-        if not _has_v(ctx.shape(value)) and not _read_only_by_solves(ctx, value):  # a solve reads blocks itself
-            plain[_first_reader_segment(ctx, place, value) or 0].extend(emit_buffer_load(value, ctx))
+        if not has_v(ctx.shape(value)) and not _read_only_by_solves(ctx, value):  # a solve reads blocks itself
+            plain[first_reader_segment(ctx, place, value) or 0].extend(emit_buffer_load(value, ctx))
     for value in ctx.kernel.computes:
         op = ctx.prog.op(value)
         kind, index = place[value]
@@ -500,12 +445,12 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
             plain[index].extend(_op_lines(ctx, value))
             continue
         for arg in op.args():
-            if _has_v(ctx.shape(arg)) and _is_loadable(ctx, arg):
+            if has_v(ctx.shape(arg)) and is_loadable(ctx, arg):
                 load_into(index, arg)
         if kind == "sum":
             plain[index].append(f"{var(value)} = tl.zeros({ctx.block(op.shape)}, dtype=ACC)  # summed over V below")
             loops[index].extend(_op_lines(ctx, value))
-        elif not _is_loadable(ctx, value):
+        elif not is_loadable(ctx, value):
             loops[index].extend(_op_lines(ctx, value))
         else:
             load_into(index, value)
@@ -572,7 +517,7 @@ CHUNK_LAUNCH = {
     "system": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "solve": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "apply": {"BV": 64, "num_warps": 4, "num_stages": 2},
-    "scan": {"BV": 32, "num_warps": 4, "num_stages": 3},
+    "scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
     "output": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
@@ -584,6 +529,9 @@ CHUNK_LAUNCH = {
 # kernel computed wrong results on the H200 (triton 3.6.0), while these were checked there.
 CHUNK_LAUNCH_WIDE_K = {"bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
 CHUNK_LAUNCH_FP32 = {"bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
+# Measured on the H200 (BENCHMARKS.md): 3 stages cut the forward scan at 1 x 65536 with 8 value
+# heads (32 programs) from 1.64 to 1.28 ms per call, and slowed it at 4 x 4096 (512 programs).
+CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"num_stages": 3}}
 
 BUFFER_SHAPES = {
     ("C", "K"): "(B, T, HV, K)",
@@ -700,6 +648,7 @@ def emit_chunk_section(item: BackwardPlan, positional: str, extras: str) -> str:
         launch=repr(CHUNK_LAUNCH),
         launch_wide=repr(CHUNK_LAUNCH_WIDE_K),
         launch_fp32=repr(CHUNK_LAUNCH_FP32),
+        launch_few_programs=repr(CHUNK_LAUNCH_FEW_PROGRAMS),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p) for p in plans.plans],
         backward=_backward_launcher(item),
