@@ -69,18 +69,22 @@ def check_module(
     timed: bool = True,
     all_chunk_configs: bool = True,
     gradients: bool = True,
+    on_row=None,
 ) -> list[CheckRow]:
     """Every kernel config on two cases (dense with initial state and in-kernel L2 norm; varlen
     with empty and length-1 sequences) per dtype, each against one oracle run on the same inputs.
     With `gradients` (and a chunk form, which gradients need) also the gradients of every input
     and the initial state, for the loss <o, dO> + <final state, dS>, against autograd through
-    the oracle."""
+    the oracle. `on_row(row, done, total)` is called as each row finishes (a long run shows
+    progress)."""
     generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     configs = kernel_configs(module, all_chunk_configs)
     gradients = gradients and hasattr(module, "chunk")
     names = ["q", "k", "v"] + [i.name for i in rec.inputs] + ["initial_state"]
+    cases = ("dense+h0+l2norm", "varlen+h0")
+    total = len(cases) * len(dtypes) * len(configs)
     rows = []
-    for case in ("dense+h0+l2norm", "varlen+h0"):
+    for case in cases:
         if case.startswith("varlen"):
             case_shape = Shape(1, shape.B * shape.T, shape.H, shape.HV, shape.K, shape.V)
             bounds = varlen_bounds(case_shape.T)
@@ -135,6 +139,8 @@ def check_module(
                         grad_worst=grad_worst,
                     )
                 )
+                if on_row is not None:
+                    on_row(rows[-1], len(rows), total)
     return rows
 
 
@@ -147,17 +153,16 @@ def _gradients(run, inputs, d_o, d_state):
     return torch.autograd.grad(loss, leaves)
 
 
-def format_rows(rows: list[CheckRow]) -> str:
+def format_header() -> str:
     header = (f"{'kernel':<17} {'case':<16} {'dtype':<9} {'o rel.err':>10} {'state rel.err':>13} "
               f"{'worst grad rel.err':>24} {'limit':>7} {'ms':>9}  ok")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        grad = "-" if r.grad_error is None else f"{r.grad_error:.2e} ({r.grad_worst})"
-        lines.append(
-            f"{r.kernel:<17} {r.case:<16} {r.dtype:<9} {r.out_error:>10.2e} {r.state_error:>13.2e} "
-            f"{grad:>24} {r.limit:>7.0e} {_ms(r.ms):>9}  {'ok' if r.ok else 'FAIL'}"
-        )
-    return "\n".join(lines)
+    return header + "\n" + "-" * len(header)
+
+
+def format_row(r: CheckRow) -> str:
+    grad = "-" if r.grad_error is None else f"{r.grad_error:.2e} ({r.grad_worst})"
+    return (f"{r.kernel:<17} {r.case:<16} {r.dtype:<9} {r.out_error:>10.2e} {r.state_error:>13.2e} "
+            f"{grad:>24} {r.limit:>7.0e} {_ms(r.ms):>9}  {'ok' if r.ok else 'FAIL'}")
 
 
 def _ms(value: float) -> str:

@@ -10,11 +10,17 @@ Any user error prints one line `lrdsl: error: ...` and exits with status 2; a fa
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from . import config
 from .errors import LrdslError
+
+
+SHAPE_FIELDS = ("B", "T", "H", "HV", "K", "V")
 
 
 def _parse_shape(text: str):
@@ -22,10 +28,13 @@ def _parse_shape(text: str):
 
     try:
         values = [int(x) for x in text.split(",")]
-        if len(values) != 6 or min(values) < 0:
-            raise ValueError
     except ValueError:
-        raise LrdslError(f"--shape takes six non-negative integers B,T,H,HV,K,V, got {text!r}") from None
+        values = []
+    if len(values) != len(SHAPE_FIELDS):
+        raise LrdslError(f"--shape takes six positive integers B,T,H,HV,K,V, got {text!r}")
+    for field, value in zip(SHAPE_FIELDS, values):
+        if value < 1:  # an empty batch, sequence or head checks nothing
+            raise LrdslError(f"--shape {text}: {field} must be at least 1, got {value}")
     return Shape(*values)
 
 
@@ -44,20 +53,27 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def show_stages() -> tuple[str, ...]:
+    """Every stage `lrdsl show` prints: the pipeline's stages, then the generated module."""
+    from .passes.pipeline import STAGES
+
+    return STAGES + ("module",)
+
+
 def cmd_show(args) -> int:
     from .codegen.module import emit_module
-    from .passes.pipeline import STAGES, run_pipeline
+    from .passes.pipeline import run_pipeline
     from .spec import load_spec
 
-    known = STAGES + ("module",)
-    if args.stage not in known:
-        raise LrdslError(f"unknown stage {args.stage!r}; stages: {', '.join(known)}")
+    stage = args.stage.replace("-", "_")  # backward-plan reads as well as backward_plan
+    if stage not in show_stages():
+        raise LrdslError(f"unknown stage {args.stage!r}; stages: {', '.join(show_stages())}")
     spec = load_spec(args.spec)
-    if args.stage == "module":
+    if stage == "module":
         print(emit_module(run_pipeline(spec), spec_path=args.spec), end="")
         return 0
-    stage = run_pipeline(spec, until=args.stage)[args.stage]
-    print(stage.describe() if hasattr(stage, "describe") else _describe_spec(stage))
+    result = run_pipeline(spec, until=stage)[stage]
+    print(result.describe() if hasattr(result, "describe") else _describe_spec(result))
     return 0
 
 
@@ -72,7 +88,7 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True, all_chunk_
     import torch
 
     from . import load
-    from .check import check_module, format_rows
+    from .check import check_module, format_header, format_row
     from .passes.pipeline import run_pipeline
     from .spec import load_spec
 
@@ -83,24 +99,42 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True, all_chunk_
     dtypes = [torch.float32, torch.float16] + ([] if interpreted else [torch.bfloat16])
     where = "CPU, Triton interpreter" if interpreted else torch.cuda.get_device_name()
     print(f"{rec.name}: generated kernels vs the float64 oracle ({where}; {shape}; seed {seed})")
+    if interpreted:
+        print("note: on the CPU the kernels run in Triton's interpreter: slow (minutes), and any time it shows "
+              "measures the interpreter, not the kernels' speed")
+    print(format_header(), flush=True)
+    start = time.perf_counter()
+
+    def show_progress(row, done: int, total: int) -> None:
+        elapsed = time.perf_counter() - start
+        if done < total:
+            progress = f"{done}/{total}, about {_duration(elapsed / done * (total - done))} left"
+        else:
+            progress = f"{done}/{total}, {_duration(elapsed)} in all"
+        print(f"{format_row(row)}  [{progress}]", flush=True)
+
     rows = check_module(module, rec, shape, dtypes=dtypes, device=device, seed=seed, timed=timed,
-                        all_chunk_configs=all_chunk_configs, gradients=gradients)
-    print(format_rows(rows))
+                        all_chunk_configs=all_chunk_configs, gradients=gradients, on_row=show_progress)
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)}/{len(rows)} within tolerance")
     return 1 if failed else 0
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def cmd_check(args) -> int:
     import torch
 
     if args.prove:
-        return _prove(args.spec)
+        return _prove(args.spec, backward=not args.forward_only)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
     return _run_checks(args.spec, _parse_shape(args.shape), seed, timed=False, gradients=not args.forward_only)
 
 
-def _prove(spec_path: str) -> int:
+def _prove(spec_path: str, backward: bool = True) -> int:
     from .ir.chunk import NoChunkForm
     from .passes.pipeline import run_pipeline
     from .prove import prove, prove_backward
@@ -122,8 +156,9 @@ def _prove(spec_path: str) -> int:
 
     print(f"{prog.recurrence.name}: chunk program == unrolled recurrence, symbolically (K = V = 2)")
     report(prove(prog), "entries of O and the exit state")
-    print(f"{prog.recurrence.name}: backward chunk program == sympy.diff of the unrolled recurrence")
-    report(prove_backward(prog, stages["backward"]), "gradient entries")
+    if backward:
+        print(f"{prog.recurrence.name}: backward chunk program == sympy.diff of the unrolled recurrence")
+        report(prove_backward(prog, stages["backward"]), "gradient entries")
     return 1 if failed else 0
 
 
@@ -189,15 +224,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show", help="print one compiler stage")
     p.add_argument("spec")
-    p.add_argument("--stage", default="recurrence", help="recurrence, step, chunk, stages, plan, module (default recurrence)")
+    p.add_argument("--stage", default="recurrence",
+                   help=f"one of {', '.join(show_stages())} ('-' may replace '_'; default recurrence)")
     p.set_defaults(run=cmd_show)
 
     p = sub.add_parser("check", help="run the generated kernels against the float64 oracle")
     p.add_argument("spec")
-    p.add_argument("--shape", default="2,19,2,4,24,40", help="B,T,H,HV,K,V (default 2,19,2,4,24,40)")
+    # the default crosses a chunk boundary (T = 20 > 16) with two value heads per key head and a
+    # value dim that is not a power of two, and stays small: on a CPU every kernel runs interpreted
+    p.add_argument("--shape", default="1,20,1,2,16,24", help="B,T,H,HV,K,V (default 1,20,1,2,16,24)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--forward-only", action="store_true", help="skip the gradient checks")
-    p.add_argument("--prove", action="store_true", help="instead: prove the chunk form equal to the recurrence (sympy)")
+    p.add_argument("--forward-only", action="store_true", help="skip the gradient checks (with --prove: the backward's proof)")
+    p.add_argument("--prove", action="store_true",
+                   help="instead: prove the chunk form and its backward equal to the recurrence (sympy)")
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("bench", help="time the generated kernels side by side with fla-core (GPU)")
@@ -220,7 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must raise where it is handled
+        return status
+    except BrokenPipeError:
+        # the reader went away (`lrdsl show ... | head`): stop quietly, as cat does; stdout goes to
+        # /dev/null so the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except LrdslError as exc:
         print(f"lrdsl: error: {exc}", file=sys.stderr)
         return 2

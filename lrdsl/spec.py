@@ -70,8 +70,8 @@ class Spec:
     formulas: dict[str, SpecFormula] = field(hash=False)
     key_lines: dict[str, int] = field(hash=False, repr=False)
 
-    def line_of(self, dotted_key: str) -> int | None:
-        return self.key_lines.get(dotted_key)
+    def line_of(self, dotted_key: str) -> int:
+        return _line_of(self.key_lines, dotted_key)
 
     def error(self, dotted_key: str, message: str) -> SpecError:
         """A SpecError pointing at the line of `dotted_key`, naming the key in the message."""
@@ -85,9 +85,13 @@ def load_spec(path: str | Path) -> Spec:
     if path.is_dir():
         raise SpecError(str(path), "is a directory, expected a .toml spec file")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise SpecError(str(path), f"cannot read spec file ({exc.__class__.__name__})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), f"not UTF-8 text (byte {exc.start})", data[: exc.start].count(b"\n") + 1) from None
     return parse_spec(text, str(path))
 
 
@@ -96,11 +100,12 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         message, line = _split_toml_position(str(exc))
-        raise SpecError(path, f"invalid TOML: {message}", line) from None
+        end_of_document = max(1, len(text.splitlines()))  # where tomllib gives no line
+        raise SpecError(path, f"invalid TOML: {message}", line or end_of_document) from None
     lines = _key_lines(text)
 
     def fail(key: str, message: str) -> SpecError:
-        return SpecError(path, f"{key}: {message}", lines.get(key))
+        return SpecError(path, f"{key}: {message}", _line_of(lines, key))
 
     _reject_unknown(data, TOP_LEVEL_KEYS, "", fail)
     name = _required_str(data, "name", fail)
@@ -223,6 +228,14 @@ def _split_toml_position(message: str) -> tuple[str, int | None]:
     if not match:
         return message, None
     return message[: match.start()], int(match.group(1))
+
+
+def _line_of(lines: dict[str, int], dotted_key: str) -> int:
+    """The line of a key; for a key not written as `key = ...` (missing, or in an inline table) the
+    line of the nearest table that holds it, else line 1."""
+    while dotted_key not in lines and "." in dotted_key:
+        dotted_key = dotted_key.rsplit(".", 1)[0]
+    return lines.get(dotted_key, 1)
 
 
 _TABLE = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\" ]+?)\s*\]\s*(#.*)?$")

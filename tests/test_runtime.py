@@ -1,6 +1,8 @@
 """lrdsl.load and its content-addressed cache."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import lrdsl
@@ -62,6 +64,36 @@ def test_dump_dir(private_cache, tmp_path, monkeypatch):
     assert len(list((tmp_path / "dump").glob("linear_attn_*.py"))) == 1
 
 
+def test_dump_dir_on_a_cache_hit(private_cache, tmp_path, monkeypatch):
+    """LRDSL_DUMP set after the module was cached (by another process) still gets the module:
+    the text `lrdsl compile` writes, without the cache's digest line."""
+    lrdsl.load(spec_path("linear_attn"))
+    loader._loaded.clear()  # a new process, finding the entry on disk
+    monkeypatch.setenv("LRDSL_DUMP", str(tmp_path / "dump"))
+    lrdsl.load(spec_path("linear_attn"))
+    (dumped,) = (tmp_path / "dump").glob("linear_attn_*.py")
+    assert dumped.read_text() == loader.generate(spec_path("linear_attn"))[0]
+
+
+@pytest.fixture
+def umask():
+    """umask(value) for the rest of the test; the old one comes back after it."""
+    previous = os.umask(0o022)
+    os.umask(previous)
+    yield os.umask
+    os.umask(previous)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_written_files_honour_the_umask(mask, mode, umask, private_cache, tmp_path):
+    umask(mask)
+    cache.atomic_write(tmp_path / "m.py", "x = 1\n")
+    lrdsl.load(spec_path("linear_attn"))
+    (entry,) = private_cache.glob("*.py")
+    for path in (tmp_path / "m.py", entry):
+        assert oct(path.stat().st_mode & 0o777) == oct(mode), path
+
+
 def test_unknown_option():
     with pytest.raises(LrdslError, match="unknown option 'fast'"):
         lrdsl.load(spec_path("gdn"), fast=True)
@@ -70,8 +102,6 @@ def test_unknown_option():
 def test_atomic_write_keeps_old_file_on_failure(tmp_path):
     target = tmp_path / "m.py"
     cache.atomic_write(target, "old")
-
-
     with pytest.raises(TypeError):
         cache.atomic_write(target, 42)  # not text: fails mid-write
     assert target.read_text() == "old"

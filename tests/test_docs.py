@@ -1,0 +1,316 @@
+"""The documents against the code: every Python and shell example in README.md and
+specs/README.md runs as written, the facts they list (stages, environment knobs, shipped specs,
+the error format) are compared with the code, and docs/design.md is where every design
+reference points. An example that changes without its test, or a test without its example,
+fails here."""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrdsl import config, reference
+from lrdsl.cli import show_stages
+from lrdsl.errors import SpecError
+from lrdsl.spec import load_spec, parse_spec
+from lrdsl.workloads import Shape, make_inputs
+
+from conftest import HAS_GPU, INTERPRETED, ROOT
+from helpers import assert_close, recurrence
+from test_cli import (
+    assert_one_line_error,
+    assert_rows_stream_with_progress,
+    lrdsl_command,
+    run_streaming,
+    user_environment,
+    with_umask,
+)
+
+DOCUMENTS = (ROOT / "README.md", ROOT / "specs" / "README.md")
+
+
+def fenced_blocks(path: Path, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def inline_code(path: Path) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def shell_examples() -> list[str]:
+    """Every command of the documents' sh blocks (comments dropped; `[--x]` gives both forms), and
+    every inline `lrdsl ... specs/X.toml ...` that names a real spec (not a placeholder)."""
+    commands = []
+    for path in DOCUMENTS:
+        for block in fenced_blocks(path, "sh"):
+            for line in block.splitlines():
+                command = line.split("#")[0].strip()
+                optional = re.fullmatch(r"(.*?)\s*\[(--[\w-]+)\]", command)
+                commands += [optional.group(1), f"{optional.group(1)} {optional.group(2)}"] if optional else [command]
+        commands += [c for c in inline_code(path) if re.fullmatch(r"lrdsl \w+ specs/\w+\.toml[^|]*", c)]
+    return [c for c in commands if c]
+
+
+def run_example(command: str, cwd: Path, umask=0o022, timeout=1800) -> subprocess.CompletedProcess:
+    """A documented command as a user types it (lrdsl: this environment's console script)."""
+    words = shlex.split(command)
+    if words[0] == "lrdsl":
+        words = lrdsl_command() + words[1:]
+    return subprocess.run(words, cwd=cwd, env=user_environment(), capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=with_umask(umask))
+
+
+@pytest.fixture
+def user_directory(tmp_path):
+    """A working directory with the repository's specs, so that outputs land outside the tree."""
+    (tmp_path / "specs").symlink_to(ROOT / "specs")
+    return tmp_path
+
+
+# -- the shell examples, each with what it must do ------------------------------------------------
+
+def check_compile(result, cwd):
+    assert result.returncode == 0, result.stderr
+    module_file = cwd / "gdn_ops.py"
+    assert "wrote gdn_ops.py" in result.stdout
+    assert oct(module_file.stat().st_mode & 0o777) == oct(0o644), "umask 022 gives 0644, as for any file"
+    assert re.search(r"^def chunk\(", module_file.read_text(), re.M)
+
+
+def check_show_chunk(result, cwd):
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (ROOT / "tests" / "golden" / "gdn.chunk.txt").read_text()
+
+
+def check_show_qwen35_step(result, cwd):
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (ROOT / "tests" / "golden" / "gdn_qwen35.step.txt").read_text()
+
+
+def check_prove(result, cwd):
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count(": proved") == 5 and "FAILED" not in result.stdout
+    assert "gradient entries: proved" in result.stdout
+
+
+def check_bench(result, cwd):
+    assert_one_line_error(result, "bench needs a CUDA GPU")
+
+
+SHELL_EXAMPLES = {
+    "lrdsl compile specs/gdn.toml -o gdn_ops.py": check_compile,
+    "lrdsl show specs/gdn.toml --stage chunk": check_show_chunk,
+    "lrdsl show specs/gdn_qwen35.toml --stage step": check_show_qwen35_step,
+    "lrdsl check specs/gdn.toml --prove": check_prove,
+    "lrdsl bench specs/gdn.toml": check_bench,
+    "lrdsl bench specs/gdn.toml --backward": check_bench,
+}
+# run by their own tests below
+LONG_EXAMPLES = ("make demo", "make test", "lrdsl check specs/gdn.toml")
+
+
+def test_every_shell_example_has_a_test():
+    assert sorted(shell_examples()) == sorted(list(SHELL_EXAMPLES) + list(LONG_EXAMPLES))
+
+
+@pytest.mark.parametrize("command", list(SHELL_EXAMPLES))
+def test_shell_example(command, user_directory):
+    if command.startswith("lrdsl bench") and HAS_GPU:
+        pytest.skip("with a GPU, bench times the training shapes (minutes); BENCHMARKS.md has its output")
+    SHELL_EXAMPLES[command](run_example(command, user_directory), user_directory)
+
+
+def test_readme_check_example(user_directory):
+    """`lrdsl check specs/gdn.toml`: every kernel config, outputs and gradients, each row as it
+    finishes with the time left."""
+    status, lines, stderr = run_streaming(shlex.split("lrdsl check specs/gdn.toml")[1:], cwd=user_directory)
+    output = "\n".join(line for _, line in lines)
+    assert status == 0, output + stderr
+    assert_rows_stream_with_progress(lines)
+    number = r"\d\.\d\de-\d\d"
+    gradient = rf"{number} \((q|k|v|g|beta|initial_state)\)"  # the worst gradient and whose it is
+    assert re.search(rf"^recurrent\s+dense\+h0\+l2norm\s+float32\s+{number}\s+{number}\s+{gradient}", output, re.M)
+    for plan in ("fused", "split"):
+        for size in (16, 32, 64):
+            assert re.search(rf"^chunk\[{plan},{size}\]\s+varlen\+h0\s+float16\s+{number}\s+{number}\s+{gradient}",
+                             output, re.M), output
+    # 7 configs x 2 cases x (fp32, fp16; and bf16 on a GPU)
+    assert re.search(r"^(28/28|42/42) within tolerance$", output, re.M), output
+
+
+def test_ci_runs_the_readme_test_command():
+    """`make test` is what CI runs (running it from inside the suite would recurse)."""
+    assert "make test" in shell_examples()
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_main_command_runs():
+    """`make demo` as the README gives it (it sets up .venv first when that is missing)."""
+    assert "make demo" in shell_examples()
+    result = run_example("make demo", cwd=ROOT, umask=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "compiled specs/gdn.toml" in result.stdout
+    assert re.search(r"recurrent\s+dense\+h0\+l2norm\s+float32", result.stdout)
+    where = "CPU, Triton interpreter" if INTERPRETED else "NVIDIA"
+    assert where in result.stdout
+
+
+# -- the Python examples --------------------------------------------------------------------------
+
+def test_the_documents_have_one_python_example():
+    """The one below; a new example needs a test of its own."""
+    assert [len(fenced_blocks(path, "python")) for path in DOCUMENTS] == [1, 0]
+
+
+def test_readme_python_example(generator, monkeypatch):
+    (example,) = fenced_blocks(ROOT / "README.md", "python")
+    monkeypatch.chdir(ROOT)
+    # ---- set-up the README leaves to the reader: small GDN inputs (B=1, T=20, H=1, HV=2, K=16, V=24),
+    # ---- the next token's inputs for decode, and the gradient of o
+    rec = recurrence("gdn")
+    shape = Shape(1, 20, 1, 2, 16, 24)
+    q, k, v, g, beta = (t.requires_grad_() for t in make_inputs(rec, shape, generator=generator))
+    h0 = torch.randn(1, 2, 16, 24, generator=generator).requires_grad_()
+    do = torch.randn(1, 20, 2, 24, generator=generator)
+    q1, k1, v1, g1, beta1 = make_inputs(rec, Shape(1, 1, 1, 2, 16, 24), generator=generator)
+    namespace = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, do=do, q1=q1, k1=k1, v1=v1, g1=g1, beta1=beta1)
+    # ---- the example, as written
+    exec(compile(example, "README.md example", "exec"), namespace)
+
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    ref_o, ref_ht = reference.run(rec, *leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+    assert_close(namespace["o"], ref_o, torch.float32, "chunk o")
+    ref_grads = torch.autograd.grad((ref_o * do.double()).sum(), leaves)
+    for name, leaf, ref_grad in zip(("q", "k", "v", "g", "beta", "h0"), (q, k, v, g, beta, h0), ref_grads):
+        assert_close(leaf.grad, ref_grad, torch.float32, f"gradient of {name}")
+    ref_o1, ref_ht1 = reference.run(rec, q1, k1, v1, g1, beta1, initial_state=ref_ht.detach(), output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True)
+    assert_close(namespace["o1"], ref_o1, torch.float32, "decode o")
+    assert_close(namespace["ht"], ref_ht1, torch.float32, "decode final state")
+
+
+def test_readme_varlen_recipe(generator, monkeypatch):
+    """The README's way to get chunk_indices for a packed batch, used as it says."""
+    (recipe,) = [c for c in inline_code(ROOT / "README.md") if "prepare_varlen(" in c]
+    monkeypatch.chdir(ROOT)
+    import lrdsl
+
+    rec, mod = recurrence("gdn"), lrdsl.load("specs/gdn.toml")
+    tensors = make_inputs(rec, Shape(1, 21, 1, 2, 16, 24), generator=generator)
+    cu_seqlens, chunk_size = torch.tensor([0, 4, 4, 21], dtype=torch.int32), 16
+    namespace = dict(mod=mod, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    try:  # an expression giving the indices ...
+        chunk_indices = eval(compile(recipe, "README.md", "eval"), namespace)
+    except SyntaxError:  # ... or a statement that names them
+        exec(compile(recipe, "README.md", "exec"), namespace)
+        chunk_indices = namespace["chunk_indices"]
+    o, ht = mod.chunk(*tensors, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
+                      output_final_state=True)
+    ref_o, ref_ht = reference.run(rec, *tensors, cu_seqlens=cu_seqlens, output_final_state=True)
+    assert_close(o, ref_o, torch.float32, "varlen o")
+    assert_close(ht, ref_ht, torch.float32, "varlen final state")
+
+
+# -- facts the documents list ---------------------------------------------------------------------
+
+def test_readme_lists_every_stage():
+    text = (ROOT / "README.md").read_text()
+    paragraph = re.search(r"The stages, in pipeline order.*?\n\n", text, re.S).group(0)
+    assert tuple(re.findall(r"`([a-z_]+)`", paragraph)) == show_stages()
+
+
+def test_readme_names_every_environment_knob():
+    source = Path(config.__file__).read_text()
+    knobs = set(re.findall(r'os\.environ\.get\("(\w+)"', source)) - {"XDG_CACHE_HOME"}
+    assert knobs == {"LRDSL_CACHE_DIR", "LRDSL_DUMP", "TRITON_INTERPRET"}
+    readme = (ROOT / "README.md").read_text()
+    for knob in knobs:
+        assert f"`{knob}`" in readme, knob
+
+
+def test_annotated_spec_example_is_the_shipped_file():
+    (example,) = fenced_blocks(ROOT / "specs" / "README.md", "toml")
+    assert example.startswith("# specs/gdn_qwen35.toml")
+    shown = recurrence_of(parse_spec(example, "example"))
+    shipped = recurrence_of(load_spec(ROOT / "specs" / "gdn_qwen35.toml"))
+    assert shown.fingerprint() == shipped.fingerprint()
+
+
+def recurrence_of(spec):
+    from lrdsl.passes.pipeline import run_pipeline
+
+    return run_pipeline(spec, until="recurrence")["recurrence"]
+
+
+def test_shipped_specs_table_matches_the_specs():
+    text = (ROOT / "specs" / "README.md").read_text()
+    table = re.search(r"## Shipped specs\n\n(.*?)\n\n", text, re.S).group(1)
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    listed = {}
+    for spec_cell, update, gate, inputs in rows:
+        name = re.match(r"`(\w+)\.toml`", spec_cell).group(1)
+        bare = re.sub(r"\[.*?\]|\(.*\)", "", inputs)  # shapes and notes are not names
+        listed[name] = (update, gate.split(",")[0].strip(), [x.strip() for x in bare.split(",") if x.strip() != "-"])
+    assert sorted(listed) == sorted(p.stem for p in (ROOT / "specs").glob("*.toml"))
+    for name, (update, gate, inputs) in listed.items():
+        rec = recurrence(name)
+        assert (update, gate, inputs) == (rec.update.value, rec.gate.value, [i.name for i in rec.inputs]), name
+
+
+def test_spec_error_example_is_what_lrdsl_prints(tmp_path, monkeypatch):
+    text = (ROOT / "specs" / "README.md").read_text()
+    documented = re.search(r"^    (specs/mine\.toml:(\d+): .*)$", text, re.M)
+    line = int(documented.group(2))
+    lines = ['name = "mine"'] + ["# a comment"] * (line - 4) + ["[recurrence]", 'update = "delta"', 'gate = "diagonal"']
+    spec_file = tmp_path / "specs" / "mine.toml"
+    spec_file.parent.mkdir()
+    spec_file.write_text("\n".join(lines) + "\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecError) as error:
+        load_spec("specs/mine.toml")
+    assert str(error.value) == documented.group(1)
+
+
+# -- docs/design.md -------------------------------------------------------------------------------
+
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".jinja", ".txt", ".cfg", ""}
+
+
+def repository_text_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode == 0:
+        paths = [ROOT / p for p in listed.stdout.splitlines()]
+    else:  # not a git checkout
+        paths = [p for p in ROOT.rglob("*") if not {".git", ".venv", ".hypothesis"} & set(p.parts)]
+    return [p for p in paths if p.is_file() and p.suffix in TEXT_SUFFIXES]
+
+
+def design_sections() -> set[str]:
+    return set(re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "design.md").read_text(), re.M))
+
+
+def test_design_references_point_at_existing_sections():
+    sections = design_sections()
+    assert sections == {str(n) for n in range(1, 9)}
+    references = []
+    for path in repository_text_files():
+        text = path.read_text(errors="replace")
+        references += [(path, n) for n in re.findall(r"docs/design\.md (?:§|section )(\d+)", text)]
+        if path.name == "design.md":
+            references += [(path, n) for n in re.findall(r"§(\d+)", text)]
+    assert references, "the code cites the design notes"
+    assert [(str(p), n) for p, n in references if n not in sections] == []
+
+
+def test_no_reference_leaves_the_repository():
+    """The repository stands alone: nothing cites design notes kept outside it."""
+    outside = ("DESIGN" + ".md", ".." + "/shared", "/work/" + "shared")
+    found = [f"{path.relative_to(ROOT)}: {needle}" for path in repository_text_files()
+             for needle in outside if needle in path.read_text(errors="replace")]
+    assert found == []
