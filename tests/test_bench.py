@@ -321,6 +321,26 @@ def test_an_implementation_that_raises_is_a_failed_row(generator):
     assert [(r.status, r.reason) for r in rows] == [("FAILED", "RuntimeError: this shape is not supported")]
 
 
+def test_without_fla_the_rows_are_lrdsl_only_gated_by_the_oracle_and_without_ratio():
+    rec = recurrence("simple_gla")
+
+    def oracle_kernel(q, k, v, *extras, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, plan=None):
+        o, final_state = reference.run(rec, q, k, v, *extras, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o.to(v.dtype), final_state.float()
+
+    stand_in = types.SimpleNamespace(chunk=oracle_kernel, recurrent=oracle_kernel, DEFAULT_CHUNK_PLAN="split")
+    rows = bench.bench([bench.SpecUnderTest("simple_gla", rec, stand_in)], [Shape(1, 7, 1, 2, 8, 8), Shape(3, 1, 1, 2, 8, 8)],
+                       backward=True, device="cpu", dtype=torch.float32, seed=int(torch.seed() % 2**31), importer=_no_fla)
+    assert [(r.mode, r.impl, r.kernel, r.status, r.ratio) for r in rows] == [
+        ("fwd", "lrdsl", "chunk[split]", "ok", None), ("fwd+bwd", "lrdsl", "chunk[split]", "ok", None),
+        ("decode", "lrdsl", "recurrent", "ok", None)]
+    assert all(r.err_vs_oracle <= 2e-3 and r.diff_vs_other is None for r in rows)
+    assert bench.ratio_summary(rows)[("simple_gla", "1x7x1x2x8x8")] == {"fwd": "no FLA", "fwd+bwd": "no FLA"}
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole harness on lrdsl's kernels (Triton's interpreter) against the fake fla-core
 # ---------------------------------------------------------------------------------------------
