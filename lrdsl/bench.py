@@ -1,76 +1,286 @@
-"""Side-by-side benchmarks on a GPU: lrdsl's generated kernels vs fla-core (when installed).
+"""Side-by-side benchmarks: lrdsl's generated kernels vs fla-core 0.6.0, gated on correctness.
 
-    lrdsl bench specs/gdn.toml [--shapes training|decode] [--plans fused,split] [--backward] [--json FILE]
+    lrdsl bench SPEC [SPEC ...] | --all  [--shapes LIST] [--plans LIST] [--backward]
+                                         [--json FILE] [--plot FILE.png]
+    lrdsl bench --from-json FILE [FILE ...] [--json FILE] [--plot FILE.png]   (no GPU: report earlier runs)
 
-Protocol (DESIGN.md section 7): same process, same inputs; bf16 q, k, v; fp32 g;
-use_qk_l2norm_in_kernel=True; median of triton.testing.do_bench; peak memory of one call (inputs
-included); cold time = the first call in the process, kernel compilation included. TFLOP/s
-convention: the recurrent form's 6 * B * T * HV * K * V floating-point operations for the forward
-(predict, write, read: 2KV each per token and head), 3x that for forward + backward, the same
-count for every implementation.
+Protocol: same process, same inputs; bf16 q, k, v (and beta); fp32 g; use_qk_l2norm_in_kernel=True
+wherever FLA's function takes it (else False on both sides); scale = K**-0.5; median of
+triton.testing.do_bench; peak memory of one call (its inputs included, whatever else the process
+holds excluded); cold time = the first call of that function at that shape in the process
+(compilation and autotuning included). TFLOP/s: the recurrent form's 6 * B * T * HV * K * V
+floating-point operations for the forward (predict, write, read: 2KV each per token and head),
+3x that for forward + backward, the same count for every implementation. Decode (T = 1): an
+fp32 initial state in, the final state out, as a server does; TB/s counts that state read once
+and written once, also when the kernels run as a CUDA-graph replay.
+
+Correctness gate: every row's outputs (o, the final state, and for forward + backward the
+gradient of every input) are compared with the float64 oracle (lrdsl.reference) and with the
+other implementation's. A row whose outputs are not finite, or differ from either beyond the
+dtype's tolerance, is FAILED and gets no ratio. FLA functions are called by keyword, each spec
+input mapped to FLA's parameter by its role (the gate to `g`, beta to `beta`), never by position.
+
+The harness runs on any device: on a GPU `lrdsl bench` times it; on the CPU the tests drive the
+same row building, gate, keyword mapping and ratios at tiny shapes (timings there mean nothing).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
 
 import sympy
 import torch
 
-from .workloads import Shape, make_inputs, relative_error
+from . import reference
+from .errors import LrdslError
+from .ir.recurrence import Recurrence
+from .workloads import TOLERANCE, Shape, make_inputs
 
 TRAINING_SHAPES = (
     Shape(4, 4096, 16, 32, 128, 128),
     Shape(1, 32768, 16, 32, 128, 128),
     Shape(1, 65536, 2, 8, 128, 128),
 )
-DECODE_SHAPES = (Shape(256, 1, 16, 32, 128, 128), Shape(1, 1, 16, 32, 128, 128))
+DECODE_SHAPES = tuple(Shape(B, 1, 16, 32, 128, 128) for B in (1, 64, 256, 1024))
+SHAPE_GROUPS = {"training": TRAINING_SHAPES, "decode": DECODE_SHAPES}
 
-# The hand-written FLA function each recurrence is compared with, by (gate kind, update, beta);
-# positional inputs line up with the spec's.
+FORWARD, FORWARD_BACKWARD, DECODE, DECODE_GRAPH = "fwd", "fwd+bwd", "decode", "decode graph"
+MODES = (FORWARD, FORWARD_BACKWARD, DECODE, DECODE_GRAPH)
+
+# The oracle is a float64 Python loop over tokens (about ten kernel launches per token on a GPU;
+# for gradients autograd keeps about 8.4 MiB per token at 32 heads of 128 x 128). So it runs on
+# a prefix: the first sequences' first ORACLE_TOKENS tokens, all heads (slicing heads would give
+# FLA a new autotuning key, minutes of tuning; slicing B and T does not). At the training shapes
+# that is about a second and 9 GiB. Each implementation is re-run on the same prefix for the
+# final state and the gradients (which depend on every token), and its full-shape o is checked
+# on the prefix too; the full-shape outputs are cross-checked against the other
+# implementation's. Decode (T = 1) checks every sequence: one step each.
+ORACLE_TOKENS = 1024
+
+LRDSL, FLA = "lrdsl", "fla-core"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes
+# ---------------------------------------------------------------------------------------------
+
+
+def shape_label(shape: Shape) -> str:
+    """BxTxHxHV (xKxV when not 128): the form `--shapes` takes back."""
+    label = f"{shape.B}x{shape.T}x{shape.H}x{shape.HV}"
+    return label if (shape.K, shape.V) == (128, 128) else f"{label}x{shape.K}x{shape.V}"
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """Comma-separated: a group (training, decode), a known shape by BxT (4x4096, 256x1), or any
+    shape as BxTxHxHV or BxTxHxHVxKxV (K = V = 128 unless given). T = 1 is a decode shape."""
+    known = {f"{s.B}x{s.T}": s for group in SHAPE_GROUPS.values() for s in group}
+    shapes: list[Shape] = []
+    for token in (t.strip() for t in text.split(",")):
+        if token in SHAPE_GROUPS:
+            shapes += SHAPE_GROUPS[token]
+        elif token in known:
+            shapes.append(known[token])
+        else:
+            shapes.append(_parse_shape_token(token, known))
+    return list(dict.fromkeys(shapes))  # in order, each once
+
+
+def _parse_shape_token(token: str, known: dict) -> Shape:
+    usage = (f"--shapes: {token!r} is not a shape; give training, decode, one of {', '.join(known)}, "
+             "or BxTxHxHV[xKxV]")
+    try:
+        values = [int(x) for x in token.split("x")]
+    except ValueError:
+        raise LrdslError(usage) from None
+    if len(values) not in (4, 6) or min(values) < 1:
+        raise LrdslError(usage)
+    B, T, H, HV, K, V = values if len(values) == 6 else values + [128, 128]
+    if HV % H:
+        raise LrdslError(f"--shapes: {token!r}: HV = {HV} is not a multiple of H = {H}")
+    return Shape(B, T, H, HV, K, V)
+
+
+def is_decode(shape: Shape) -> bool:
+    return shape.T == 1
+
+
+def modes_for(shape: Shape, backward: bool, device: str) -> tuple[str, ...]:
+    """Decode shapes: eager, and as a CUDA-graph replay (GPU only); training shapes: forward, and
+    forward + backward when asked."""
+    if is_decode(shape):
+        return (DECODE, DECODE_GRAPH) if device == "cuda" else (DECODE,)
+    return (FORWARD, FORWARD_BACKWARD) if backward else (FORWARD,)
+
+
+def oracle_prefix(shape: Shape, tokens: int = ORACLE_TOKENS) -> tuple[int, int]:
+    """(sequences, tokens) of the prefix the oracle checks (see ORACLE_TOKENS)."""
+    if is_decode(shape):
+        return shape.B, 1
+    T = min(shape.T, tokens)
+    return max(1, min(shape.B, tokens // T)), T
+
+
+# ---------------------------------------------------------------------------------------------
+# FLA's functions, called by keyword
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlaFunction:
+    """One fla-core function, the parameter that takes each spec input (by its role), and whether
+    it can L2-normalise q and k itself (where it cannot, neither side does: the same work)."""
+
+    name: str
+    roles: dict  # role ("gate", "beta") -> FLA parameter name
+    l2norm: bool = True
+
+
+@dataclass(frozen=True)
+class FlaBaseline:
+    module: str
+    chunk: FlaFunction
+    recurrent: FlaFunction
+
+
+# The hand-written FLA functions each recurrence is compared with, by (gate kind, update, beta).
+# Parameter names are fla-core 0.6.0's: fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv,
+# beta, ...) takes beta seventh, so nothing is passed by position.
+_GATE_AND_BETA = {"gate": "g", "beta": "beta"}
 FLA_BASELINES = {
-    ("scalar", "delta", True): ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
-    ("none", "delta", True): ("fla.ops.delta_rule", "chunk_delta_rule", "fused_recurrent_delta_rule"),
-    ("scalar", "plain", False): ("fla.ops.simple_gla", "chunk_simple_gla", "fused_recurrent_simple_gla"),
+    ("scalar", "delta", True): FlaBaseline(
+        "fla.ops.gated_delta_rule",
+        FlaFunction("chunk_gated_delta_rule", _GATE_AND_BETA),
+        FlaFunction("fused_recurrent_gated_delta_rule", _GATE_AND_BETA),
+    ),
+    ("none", "delta", True): FlaBaseline(
+        "fla.ops.delta_rule",
+        FlaFunction("chunk_delta_rule", {"beta": "beta"}),
+        FlaFunction("fused_recurrent_delta_rule", {"beta": "beta"}),
+    ),
+    ("scalar", "plain", False): FlaBaseline(
+        "fla.ops.simple_gla",
+        FlaFunction("chunk_simple_gla", {"gate": "g"}, l2norm=False),
+        FlaFunction("fused_recurrent_simple_gla", {"gate": "g"}, l2norm=False),
+    ),
 }
 
-
-@dataclass
-class BenchRow:
-    impl: str
-    kernel: str
-    shape: str
-    ms: float
-    tflops: float
-    peak_mib: float
-    cold_s: float
-    diff_vs_fla: float | None = None
+# FLA's backend names, as the rows print them; FLA's own Triton kernels are "fla-triton".
+FLA_BACKEND_LABELS = {"flash_qla": "flashqla"}
 
 
-def fla_functions(rec):
-    """FLA's (chunk, recurrent) functions for this recurrence, or None (not installed, no match,
-    or the spec computes its gate/beta from other inputs, which FLA's functions do not take)."""
-    key = (rec.gate.value, rec.update.value, rec.has_beta)
-    direct = all(e is None or isinstance(e, sympy.Symbol) for e in (rec.log_decay, rec.beta))
-    if key not in FLA_BASELINES or not direct:
+def input_role(rec: Recurrence, name: str) -> str | None:
+    """What a spec input is to FLA: the log-decay itself ("gate"), beta itself ("beta"), or
+    neither (an input a formula transforms, which FLA's functions do not take)."""
+    symbol = sympy.Symbol(name)
+    if rec.log_decay == symbol:
+        return "gate"
+    if rec.beta == symbol:
+        return "beta"
+    return None
+
+
+def fla_baseline(rec: Recurrence) -> FlaBaseline | None:
+    """The FLA counterpart of this recurrence, or None (no match, or an input FLA cannot take)."""
+    baseline = FLA_BASELINES.get((rec.gate.value, rec.update.value, rec.has_beta))
+    if baseline is None:
         return None
-    module_name, chunk_name, recurrent_name = FLA_BASELINES[key]
+    roles = [input_role(rec, i.name) for i in rec.inputs]
+    for function in (baseline.chunk, baseline.recurrent):
+        if any(role not in function.roles for role in roles):
+            return None
+    return baseline
+
+
+def explicit_parameters(function) -> set[str]:
+    """Parameters a function names (not what a **kwargs would swallow: a misspelt keyword there
+    would be ignored silently)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds}
+
+
+def fla_keywords(rec: Recurrence, function: FlaFunction, call: Call) -> dict:
+    """The keyword arguments of one FLA call: q, k, v, each spec input under FLA's name for its
+    role, and the options."""
+    q, k, v, *extras = call.tensors
+    keywords = {"q": q, "k": k, "v": v}
+    for inp, tensor in zip(rec.inputs, extras):
+        keywords[function.roles[input_role(rec, inp.name)]] = tensor
+    keywords.update(scale=call.scale, initial_state=call.initial_state, output_final_state=True)
+    if call.l2norm:
+        keywords["use_qk_l2norm_in_kernel"] = True
+    return keywords
+
+
+def missing_parameters(rec: Recurrence, function: FlaFunction, fla_function, l2norm: bool) -> list[str]:
+    """The keywords this harness passes that `fla_function` does not name (a version mismatch)."""
+    wanted = ["q", "k", "v", *(function.roles[input_role(rec, i.name)] for i in rec.inputs),
+              "scale", "initial_state", "output_final_state"] + (["use_qk_l2norm_in_kernel"] if l2norm else [])
+    named = explicit_parameters(fla_function)
+    return [name for name in wanted if name not in named]
+
+
+def resolve_fla(baseline: FlaBaseline | None, importer=importlib.import_module):
+    """(chunk function, recurrent function) of an installed fla-core, or None."""
+    if baseline is None:
+        return None
     try:
-        module = importlib.import_module(module_name)
+        module = importer(baseline.module)
     except ImportError:
         return None
-    return getattr(module, chunk_name), getattr(module, recurrent_name)
+    return getattr(module, baseline.chunk.name), getattr(module, baseline.recurrent.name)
 
 
-def allow_fla_gated_backward_on_hopper() -> bool:
-    """fla-core 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a miscompile it
-    saw there). To time it side by side we lift that check, as DESIGN.md section 7 did; its
-    gradients are compared with ours in the output (diff column)."""
+def fla_dispatch_path(function, keywords: dict, importer=importlib.import_module) -> str:
+    """Which code FLA runs for this call: its own Triton kernels ("fla-triton") or the backend
+    its dispatcher picks (fla-core 0.6.0 sends chunk_gated_delta_rule to FlashQLA on Hopper
+    when the flash-qla package is importable: "flashqla"). Asks FLA's backend registries what
+    its dispatcher asks, in its order: available, enabled, and the backend's verifier accepting
+    these arguments. "unknown" when that machinery is not where fla-core 0.6.0 keeps it."""
     try:
-        chunk_o = importlib.import_module("fla.ops.common.chunk_o")
+        backends = importer("fla.backends")
+    except ImportError:
+        return "fla-triton"  # an fla-core without backend dispatch
+    try:
+        for backend in _candidate_backends(backends, function):
+            if not (backend.is_available() and backend.is_enabled()):
+                continue
+            if backend.get_implementation(function.__name__) is None:
+                continue
+            accepted, _ = backend.verify(function.__name__, **keywords)
+            if accepted:
+                return FLA_BACKEND_LABELS.get(backend.backend_type, backend.backend_type)
+    except AttributeError:
+        return "unknown"
+    return "fla-triton"
+
+
+def _candidate_backends(backends, function) -> list:
+    """The backends registered for `function`: for the function itself, and for its operation
+    (fla.ops.<operation>.<file>), lowest priority number first, as FLA's dispatcher orders them."""
+    if getattr(backends, "_DISPATCH_DISABLED", False):
+        return []
+    unwrapped = inspect.unwrap(function)
+    registries = [backends._function_registries.get(unwrapped)]
+    parts = unwrapped.__module__.split(".")
+    operation = parts[2] if parts[:2] == ["fla", "ops"] and len(parts) > 2 else None
+    registries += [r for r in backends._operation_registries.values() if r.operation_name == operation]
+    found = [b for r in registries if r is not None for b in r._backends.values()]
+    return sorted(found, key=lambda b: b.priority)
+
+
+def allow_fla_gated_backward_on_hopper(importer=importlib.import_module) -> bool:
+    """fla-core 0.6.0 refuses its gated backward on Hopper with triton < 3.7.1 (a miscompile it
+    saw there). To time it side by side we lift that check; the gate compares its gradients with
+    the oracle's and ours, so a wrong one is FAILED, not timed."""
+    try:
+        chunk_o = importer("fla.ops.common.chunk_o")
     except ImportError:
         return False
     if getattr(chunk_o, "TRITON_ABOVE_3_7_1", True):
@@ -79,87 +289,561 @@ def allow_fla_gated_backward_on_hopper() -> bool:
     return True
 
 
-def _measure(fn, flops: float):
+# ---------------------------------------------------------------------------------------------
+# Inputs and implementations
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """One set of inputs, as every implementation receives it."""
+
+    tensors: tuple  # q, k, v, then the spec's inputs in order
+    initial_state: torch.Tensor | None
+    d_o: torch.Tensor | None  # the upstream gradient of o, for forward + backward
+    scale: float
+    l2norm: bool
+
+    def prefix(self, rec: Recurrence, sequences: int, tokens: int) -> Call:
+        """The same call on the first `sequences` sequences' first `tokens` tokens."""
+
+        def cut(x, per_token=True):
+            return x[:sequences, :tokens].contiguous() if per_token else x
+
+        q, k, v, *extras = self.tensors
+        sliced = [cut(q), cut(k), cut(v)] + [cut(x, i.role.per_token) for i, x in zip(rec.inputs, extras)]
+        return replace(
+            self,
+            tensors=tuple(sliced),
+            initial_state=None if self.initial_state is None else self.initial_state[:sequences].contiguous(),
+            d_o=None if self.d_o is None else cut(self.d_o),
+        )
+
+    def requiring_grad(self) -> Call:
+        return replace(self, tensors=tuple(t.detach().requires_grad_() for t in self.tensors))
+
+    def nbytes(self) -> int:
+        tensors = [*self.tensors, self.initial_state, self.d_o]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def make_call(rec: Recurrence, shape: Shape, dtype, device, generator, l2norm: bool) -> Call:
+    """Fresh random inputs: an fp32 initial state for decode shapes (state in, state out), an
+    upstream gradient of o for training shapes."""
+    tensors = make_inputs(rec, shape, dtype=dtype, generator=generator, normalize_keys=not l2norm and rec.is_delta)
+    h0 = d_o = None
+    if is_decode(shape):
+        h0 = torch.randn(shape.B, shape.HV, shape.K, shape.V, generator=generator).to(device)
+    else:
+        d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).to(device, dtype)
+    return Call(tuple(t.to(device) for t in tensors), h0, d_o, shape.K**-0.5, l2norm)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One implementation of one kernel kind: forward(call) -> (o, final state)."""
+
+    impl: str  # LRDSL or FLA
+    kernel: str  # what runs: "chunk[split]", "recurrent", FLA's function name
+    forward: Callable
+    path: Callable = lambda call: LRDSL  # which code runs for this call
+    problem: str | None = None  # why it cannot run at all (its rows are FAILED with this reason)
+
+
+def lrdsl_contenders(module, decode: bool, plans) -> list[Contender]:
+    def caller(function, options):
+        def forward(call: Call):
+            return function(*call.tensors, scale=call.scale, initial_state=call.initial_state,
+                            output_final_state=True, use_qk_l2norm_in_kernel=call.l2norm, **options)
+        return forward
+
+    if decode:
+        return [Contender(LRDSL, "recurrent", caller(module.recurrent, {}))]
+    return [Contender(LRDSL, f"chunk[{plan}]", caller(module.chunk, {"plan": plan})) for plan in plans]
+
+
+def fla_contender(rec: Recurrence, function: FlaFunction, fla_function, l2norm: bool,
+                  importer=importlib.import_module) -> Contender:
+    missing = missing_parameters(rec, function, fla_function, l2norm)
+    problem = None
+    if missing:
+        problem = f"fla-core's {function.name} has no parameter {', '.join(missing)} (this harness expects fla-core 0.6.0)"
+
+    def forward(call: Call):
+        return fla_function(**fla_keywords(rec, function, call))
+
+    def path(call: Call) -> str:
+        return fla_dispatch_path(fla_function, fla_keywords(rec, function, call), importer)
+
+    return Contender(FLA, function.name, forward, path, problem)
+
+
+def run_mode(contender: Contender, call: Call, mode: str, leaf_names) -> dict:
+    """One call in a mode: the named outputs the gate compares (o, final state, gradients)."""
+    if mode != FORWARD_BACKWARD:
+        with torch.no_grad():
+            o, final_state = contender.forward(call)
+        return {"o": o, "final state": final_state}
+    o, final_state = contender.forward(call)
+    # allow_unused: an input an implementation ignores gets no gradient, which the gate names
+    grads = torch.autograd.grad(o, call.tensors, call.d_o, allow_unused=True)
+    return {"o": o.detach(), "final state": final_state.detach(),
+            **{f"grad {name}": g for name, g in zip(leaf_names, grads)}}
+
+
+def oracle_outputs(rec: Recurrence, call: Call, leaf_names, gradients: bool) -> dict:
+    """The float64 oracle's outputs for `call` (gradients of <o, d_o> too when asked)."""
+    leaves = [t.detach().to(torch.float64).requires_grad_(gradients) for t in call.tensors]
+    h0 = None if call.initial_state is None else call.initial_state.to(torch.float64)
+    with torch.set_grad_enabled(gradients):
+        o, final_state = reference.run(rec, *leaves, scale=call.scale, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=call.l2norm)
+    outputs = {"o": o.detach(), "final state": final_state.detach()}
+    if gradients:
+        grads = torch.autograd.grad(o, leaves, call.d_o.to(torch.float64))
+        outputs.update({f"grad {name}": g for name, g in zip(leaf_names, grads)})
+    return outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measurement:
+    outputs: dict
+    ms: float
+    peak_mib: float | None = None
+    cold_s: float | None = None
+
+
+class NotCapturable(Exception):
+    """A function could not be captured in a CUDA graph (a host sync, an unsupported call)."""
+
+
+def measure_on_gpu(fn, input_bytes: int) -> Measurement:
     import triton.testing
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = fn()
+    outputs = fn()
     torch.cuda.synchronize()
     cold = time.perf_counter() - start
+    # peak of one call alone: what the process already holds (other rows' outputs) is excluded,
+    # the call's inputs are counted
+    baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / 2**20
+    peak = (torch.cuda.max_memory_allocated() - baseline + input_bytes) / 2**20
     ms = float(triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"))
-    return ms, flops / (ms * 1e-3) / 1e12, peak, cold, out
+    return Measurement(outputs, ms, peak, cold)
 
 
-def _max_difference(ours, theirs) -> float:
-    return max(relative_error(a.float(), b.float()) for a, b in zip(ours, theirs))
+def measure_graph_replay(fn, input_bytes: int) -> Measurement:
+    """Capture one call in a CUDA graph over the same (static) input buffers, replay it, time the
+    replays. The outputs returned are the replay's, so the gate checks what the graph computed."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # capture needs compiled kernels and a warm allocator, on a stream other than the default
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            static_outputs = fn()
+    except Exception as exc:
+        torch.cuda.synchronize()
+        raise NotCapturable(f"not capturable in a CUDA graph: {type(exc).__name__}: {_first_line(exc)}") from None
+    graph.replay()
+    torch.cuda.synchronize()
+    outputs = {name: t.clone() for name, t in static_outputs.items()}
+    ms = float(triton.testing.do_bench(graph.replay, warmup=50, rep=200, return_mode="median"))
+    return Measurement(outputs, ms)
 
 
-def bench(module, rec, shapes, plans, kernel: str = "chunk", backward: bool = False, seed: int = 0,
-          on_row=None) -> list[BenchRow]:
-    """Rows for every shape: FLA's (where it has a baseline), then lrdsl's per plan. `on_row` is
-    called with each row as soon as it is measured (a long run shows progress)."""
+def measure_once(fn, input_bytes: int) -> Measurement:
+    """One call, wall clock: the CPU smoke test's stand-in (timings there mean nothing)."""
+    start = time.perf_counter()
+    outputs = fn()
+    elapsed = time.perf_counter() - start
+    return Measurement(outputs, elapsed * 1e3, None, elapsed)
+
+
+def measurers(device: str) -> dict:
+    if device != "cuda":
+        return {mode: measure_once for mode in MODES}
+    return {FORWARD: measure_on_gpu, FORWARD_BACKWARD: measure_on_gpu, DECODE: measure_on_gpu,
+            DECODE_GRAPH: measure_graph_replay}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows and the correctness gate
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    spec: str
+    mode: str  # fwd, fwd+bwd, decode, decode graph
+    shape: str  # shape_label
+    impl: str  # lrdsl or fla-core
+    kernel: str
+    path: str  # lrdsl, fla-triton, flashqla
+    status: str = "ok"  # ok or FAILED
+    reason: str = ""  # why FAILED
+    ms: float | None = None
+    tflops: float | None = None  # training modes
+    state_tbps: float | None = None  # decode modes: fp32 state read + written per second
+    peak_mib: float | None = None
+    cold_s: float | None = None
+    err_vs_oracle: float | None = None  # the worst relative error of any output vs the float64 oracle
+    worst_vs_oracle: str = ""  # which output that is
+    diff_vs_other: float | None = None  # the worst relative difference from the other implementation
+    ratio: float | None = None  # FLA ms / this row's ms: lrdsl rows where both rows are ok
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def relative_error(out: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    """||out - ref|| / ||ref|| in float64 on the tensors' own device (a full-shape gradient is a
+    GiB in float64: copying it to the host would cost more than the kernels); inf when out is
+    missing or not finite, so it never passes."""
+    if out is None or ref is None:
+        return math.inf
+    out = out.detach().to(torch.float64)
+    ref = ref.detach().to(out.device, torch.float64)
+    if out.shape != ref.shape or not torch.isfinite(out).all():
+        return math.inf
+    denominator = ref.norm().item()
+    difference = (out - ref).norm().item()
+    return difference / denominator if denominator > 0 else difference
+
+
+def worst_error(outputs: dict, references: dict, prefix=None) -> tuple[float, str]:
+    """(worst relative error, its output's name) over the outputs `references` has; with
+    `prefix` = (sequences, tokens), o is cut to that prefix first (a full-shape run's o)."""
+    errors = {}
+    for name, ref in references.items():
+        out = outputs.get(name)
+        if prefix is not None:
+            if name != "o":
+                continue
+            out, name = out[: prefix[0], : prefix[1]], "o (full run, prefix)"
+        errors[name] = relative_error(out, ref)
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
+
+
+def broken_outputs(outputs: dict) -> list[str]:
+    """Outputs that are missing (a gradient an implementation did not produce) or not finite."""
+    missing = [f"{name} missing" for name, t in outputs.items() if t is None]
+    return missing + [f"{name} not finite" for name, t in outputs.items() if t is not None and not torch.isfinite(t).all()]
+
+
+@dataclass(eq=False)  # compared by identity: fields hold tensors
+class _Result:
+    """What one contender gave in one group, before the rows are made."""
+
+    contender: Contender
+    path: str
+    measurement: Measurement | None = None
+    error: str = ""  # it raised, or cannot run
+    oracle_error: float | None = None
+    oracle_worst: str = ""
+    failures: list = field(default_factory=list)
+
+
+def run_group(spec: str, rec: Recurrence, contenders, call: Call, shape: Shape, mode: str, oracle: dict,
+              measure, prefix: tuple[int, int], tolerance: float) -> list[BenchRow]:
+    """Every contender in one (spec, shape, mode): measured, gated, then compared with each other."""
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    mode_call = call.requiring_grad() if mode == FORWARD_BACKWARD else call
+    full = prefix == (shape.B, shape.T)
+    prefix_call = None if full else call.prefix(rec, *prefix)
+    if prefix_call is not None and mode == FORWARD_BACKWARD:
+        prefix_call = prefix_call.requiring_grad()
+    # a graph replay runs the eager call's kernels, so the prefix re-run is the eager call
+    prefix_mode = DECODE if mode == DECODE_GRAPH else mode
+    wanted = {name: ref for name, ref in oracle.items() if mode == FORWARD_BACKWARD or not name.startswith("grad ")}
+
+    results = []
+    for contender in contenders:
+        result = _Result(contender, path="-")
+        results.append(result)
+        if contender.problem:
+            result.error = contender.problem
+            continue
+        try:
+            result.path = contender.path(mode_call)
+            result.measurement = measure(lambda: run_mode(contender, mode_call, mode, names), mode_call.nbytes())
+            outputs = result.measurement.outputs
+            if full:
+                result.oracle_error, result.oracle_worst = worst_error(outputs, wanted)
+            else:
+                prefix_outputs = run_mode(contender, prefix_call, prefix_mode, names)
+                checks = [worst_error(prefix_outputs, wanted), worst_error(outputs, wanted, prefix)]
+                result.oracle_error, result.oracle_worst = max(checks)
+        except Exception as exc:  # a refused shape, a crash, an uncapturable call: a FAILED row, not a lost run
+            result.measurement = None
+            result.error = f"{type(exc).__name__}: {_first_line(exc)}"
+            continue
+        result.failures += broken_outputs(outputs)
+        if result.oracle_error > tolerance:
+            result.failures.append(f"{result.oracle_worst} differs from the float64 oracle by {result.oracle_error:.1e}")
+
+    return _rows(spec, shape, mode, results, tolerance)
+
+
+def _rows(spec: str, shape: Shape, mode: str, results: list[_Result], tolerance: float) -> list[BenchRow]:
+    """Cross-check each implementation against the other (FLA vs the first lrdsl row, each lrdsl
+    row vs FLA), then make the rows. A difference beyond the tolerance between two rows that
+    each pass the oracle fails both (the check cannot say which is wrong at the full shape); a
+    row that already failed does not fail the other."""
+    fla = next((r for r in results if r.contender.impl == FLA), None)
+    ours = [r for r in results if r.contender.impl == LRDSL]
+    passed = [r for r in results if r.measurement is not None and not r.error and not r.failures]
+    diffs = {}
+    for r in results:
+        other = (ours[0] if ours else None) if r is fla else fla
+        if other is None or other is r or r.measurement is None or other.measurement is None:
+            continue
+        diffs[id(r)] = max(relative_error(t, other.measurement.outputs.get(name))
+                           for name, t in r.measurement.outputs.items())
+    for r in passed:
+        other = (ours[0] if ours else None) if r is fla else fla
+        if any(other is p for p in passed) and diffs[id(r)] > tolerance:
+            r.failures.append(f"differs from {other.contender.impl} {other.contender.kernel} by {diffs[id(r)]:.1e}")
+
     rows = []
+    for r in results:
+        m = r.measurement
+        reasons = ([r.error] if r.error else []) + r.failures
+        rows.append(BenchRow(
+            spec=spec, mode=mode, shape=shape_label(shape), impl=r.contender.impl, kernel=r.contender.kernel,
+            path=r.path, status="FAILED" if reasons else "ok", reason="; ".join(reasons),
+            ms=m.ms if m else None,
+            tflops=_tflops(shape, mode, m.ms) if m and not is_decode(shape) else None,
+            state_tbps=_state_tbps(shape, m.ms) if m and is_decode(shape) else None,
+            peak_mib=m.peak_mib if m else None, cold_s=m.cold_s if m else None,
+            err_vs_oracle=r.oracle_error, worst_vs_oracle=r.oracle_worst, diff_vs_other=diffs.get(id(r)),
+        ))
+    return with_ratios(rows)
 
-    def record(row: BenchRow) -> None:
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
 
-    fla = fla_functions(rec)
+def with_ratios(rows: list[BenchRow]) -> list[BenchRow]:
+    """FLA ms / lrdsl ms on each lrdsl row of a group whose FLA row and own row are both ok."""
+    fla = {(r.spec, r.shape, r.mode): r for r in rows if r.impl == FLA}
+    out = []
+    for r in rows:
+        theirs = fla.get((r.spec, r.shape, r.mode))
+        if r.impl == LRDSL and r.ok and theirs is not None and theirs.ok:
+            r = replace(r, ratio=theirs.ms / r.ms)
+        out.append(r)
+    return out
+
+
+def _tflops(shape: Shape, mode: str, ms: float) -> float:
+    flops = 6 * shape.B * shape.T * shape.HV * shape.K * shape.V * (3 if mode == FORWARD_BACKWARD else 1)
+    return flops / (ms * 1e-3) / 1e12
+
+
+def state_bytes(shape: Shape) -> int:
+    """The fp32 state read (initial) and written (final) once per decode step."""
+    return 2 * shape.B * shape.HV * shape.K * shape.V * 4
+
+
+def _state_tbps(shape: Shape, ms: float) -> float:
+    return state_bytes(shape) / (ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecUnderTest:
+    name: str
+    rec: Recurrence
+    module: object  # the generated module (or anything with chunk / recurrent of its signature)
+
+
+def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda", dtype=torch.bfloat16,
+          seed: int = 0, importer=importlib.import_module, oracle_tokens: int = ORACLE_TOKENS,
+          on_rows=None, on_note=None) -> list[BenchRow]:
+    """Rows for every spec x shape x mode: FLA's (where it has a counterpart and is installed),
+    then lrdsl's per plan (None: the module's default plan), each gated on correctness.
+    `on_rows` gets each group's rows as soon as they exist (a long run shows progress), `on_note`
+    one-line notes (a skipped shape)."""
+    rows: list[BenchRow] = []
+    note = on_note or (lambda text: None)
     generator = torch.Generator().manual_seed(seed)
-    for shape in shapes:
-        tensors = [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator, normalize_keys=False)]
-        leaves = [t.requires_grad_() for t in tensors] if backward else tensors
-        d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).to("cuda", torch.bfloat16)
-        flops = 6 * shape.B * shape.T * shape.HV * shape.K * shape.V * (3 if backward else 1)
-        fla_fn = None if fla is None else (fla[0] if kernel == "chunk" else fla[1])
-        common = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
-        if fla_fn is not None and "use_qk_l2norm_in_kernel" not in inspect.signature(fla_fn).parameters:
-            common = dict(output_final_state=True)  # the same work on both sides
+    measure = measurers(device)
+    tolerance = TOLERANCE[dtype]
+    for spec in specs:
+        baseline = fla_baseline(spec.rec)
+        fla = resolve_fla(baseline, importer)
+        for shape in shapes:
+            decode = is_decode(shape)
+            if not decode and not hasattr(spec.module, "chunk"):
+                note(f"{spec.name} {shape_label(shape)}: skipped, {spec.name} has no chunk kernels")
+                continue
+            function = None if baseline is None else (baseline.recurrent if decode else baseline.chunk)
+            l2norm = function is None or function.l2norm
+            contenders = []
+            if fla is not None:
+                contenders.append(fla_contender(spec.rec, function, fla[1 if decode else 0], l2norm, importer))
+            if decode:
+                contenders += lrdsl_contenders(spec.module, decode=True, plans=())
+            else:
+                contenders += lrdsl_contenders(spec.module, decode=False, plans=plans or [spec.module.DEFAULT_CHUNK_PLAN])
 
-        def runner(fn, **options):
-            if backward:
-                return lambda: _forward_backward(fn, leaves, d_o, common, options)
-            return lambda: fn(*leaves, **common, **options)
-
-        fla_out = None
-        if fla_fn is not None:
-            try:
-                ms, tflops, peak, cold, fla_out = _measure(runner(fla_fn), flops)
-                record(BenchRow("fla-core", kernel + ("+bwd" if backward else ""), str(shape), ms, tflops, peak, cold))
-            except Exception as exc:  # FLA may refuse a shape or a GPU; record it and go on
-                print(f"fla-core {kernel} {shape}: {type(exc).__name__}: {str(exc)[:160]}")
-        for plan in plans if kernel == "chunk" else [None]:
-            options = {"plan": plan} if plan else {}
-            ms, tflops, peak, cold, out = _measure(runner(getattr(module, kernel), **options), flops)
-            diff = _max_difference(_outputs(out, backward), _outputs(fla_out, backward)) if fla_out is not None else None
-            label = f"{kernel}[{plan}]" if plan else kernel
-            record(BenchRow("lrdsl", label + ("+bwd" if backward else ""), str(shape), ms, tflops, peak, cold, diff))
+            modes = modes_for(shape, backward, device)
+            call = make_call(spec.rec, shape, dtype, device, generator, l2norm)
+            prefix = oracle_prefix(shape, oracle_tokens)
+            names = ["q", "k", "v"] + [i.name for i in spec.rec.inputs]
+            oracle = oracle_outputs(spec.rec, call.prefix(spec.rec, *prefix), names,
+                                    gradients=FORWARD_BACKWARD in modes)
+            for mode in modes:
+                group = run_group(spec.name, spec.rec, contenders, call, shape, mode, oracle, measure[mode],
+                                  prefix, tolerance)
+                rows += group
+                if on_rows is not None:
+                    on_rows(group)
+            del call, oracle
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
-def _forward_backward(fn, leaves, d_o, common, options):
-    o, _ = fn(*leaves, **common, **options)
-    return (o,) + torch.autograd.grad(o, leaves, d_o)
+# ---------------------------------------------------------------------------------------------
+# Output: table, ratio summary, JSON, plot
+# ---------------------------------------------------------------------------------------------
 
-
-def _outputs(out, backward: bool):
-    """The tensors compared with FLA's: o (and every gradient, for forward + backward)."""
-    return out if backward else (out[0],)
-
-
-HEADER = f"{'impl':<9} {'kernel':<19} {'shape':<38} {'ms':>8} {'TFLOP/s':>8} {'peak MiB':>9} {'cold s':>7} {'vs FLA':>8}"
+_COLUMNS = (("spec", 10), ("mode", 12), ("shape", 15), ("impl", 8), ("kernel", 32), ("path", 10),
+            ("time", 11), ("rate", 13), ("peak MiB", 8), ("cold s", 6), ("vs oracle", 9), ("vs other", 8),
+            ("FLA/lrdsl", 9), ("status", 0))
+HEADER = " ".join(f"{name:<{width}}" if width else name for name, width in _COLUMNS)
 
 
 def format_row(r: BenchRow) -> str:
-    diff = f"{r.diff_vs_fla:.1e}" if r.diff_vs_fla is not None else "-"
-    return f"{r.impl:<9} {r.kernel:<19} {r.shape:<38} {r.ms:>8.3f} {r.tflops:>8.1f} {r.peak_mib:>9.0f} {r.cold_s:>7.1f} {diff:>8}"
+    def number(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    if r.ms is None:
+        time_text = rate = "-"
+    elif r.mode in (DECODE, DECODE_GRAPH):
+        time_text, rate = f"{r.ms * 1e3:.1f} us", f"{number(r.state_tbps, '.2f')} TB/s"
+    else:
+        time_text, rate = f"{r.ms:.3f} ms", f"{number(r.tflops, '.1f')} TFLOP/s"
+    status = r.status if r.ok else f"FAILED: {r.reason}"
+    cells = [r.spec, r.mode, r.shape, r.impl, r.kernel, r.path, time_text, rate, number(r.peak_mib, ".0f"),
+             number(r.cold_s, ".1f"), number(r.err_vs_oracle, ".1e"), number(r.diff_vs_other, ".1e"),
+             number(r.ratio, ".2f"), status]
+    return " ".join(f"{cell:<{width}}" if width else cell for cell, (_, width) in zip(cells, _COLUMNS))
+
+
+def ratio_summary(rows: list[BenchRow]) -> dict:
+    """{(spec, shape): {mode: ratio | "FAILED" | "no FLA"}} from each group's first lrdsl row (the
+    first plan asked for)."""
+    groups: dict = {}
+    for r in rows:
+        if r.impl != LRDSL:
+            continue
+        modes = groups.setdefault((r.spec, r.shape), {})
+        if r.mode in modes:
+            continue
+        has_fla = any(x.impl == FLA and (x.spec, x.shape, x.mode) == (r.spec, r.shape, r.mode) for x in rows)
+        modes[r.mode] = r.ratio if r.ratio is not None else ("no FLA" if not has_fla else "FAILED")
+    return groups
+
+
+def format_summary(rows: list[BenchRow]) -> str:
+    summary = ratio_summary(rows)
+    modes = [m for m in MODES if any(m in v for v in summary.values())]
+    header = f"{'spec':<10} {'shape':<15} " + " ".join(f"{m:>12}" for m in modes)
+    lines = ["FLA / lrdsl (above 1: lrdsl faster)", header, "-" * len(header)]
+    for (spec, shape), values in summary.items():
+        cells = []
+        for m in modes:
+            value = values.get(m, "-")
+            cells.append(f"{value:>12.2f}" if isinstance(value, float) else f"{value:>12}")
+        lines.append(f"{spec:<10} {shape:<15} " + " ".join(cells))
+    return "\n".join(lines)
 
 
 def to_json(rows: list[BenchRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=1)
+
+
+def rows_from_json(path) -> list[BenchRow]:
+    """The rows a --json file holds (runs split over several processes are combined this way)."""
+    try:
+        records = json.loads(open(path).read())
+        return [BenchRow(**record) for record in records]
+    except OSError as exc:
+        raise LrdslError(f"--from-json {path}: {exc.strerror}") from None
+    except (ValueError, TypeError) as exc:
+        raise LrdslError(f"--from-json {path}: not rows written by lrdsl bench --json ({_first_line(exc)})") from None
+
+
+def require_matplotlib() -> None:
+    """--plot's one dependency, checked before any GPU time is spent."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise LrdslError("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+
+
+def plot_ratios(rows: list[BenchRow], path) -> None:
+    """A PNG: per spec, FLA / lrdsl per shape, one bar per mode, a line at 1.0 (parity)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display
+    import matplotlib.pyplot as plt
+
+    summary = ratio_summary(rows)
+    specs = list(dict.fromkeys(spec for spec, _ in summary))
+    if not specs:
+        raise LrdslError("--plot: no lrdsl rows to plot")
+    modes = [m for m in MODES if any(m in v for v in summary.values())]
+    widest = max(sum(1 for s, _ in summary if s == spec) for spec in specs)
+    fig, axes = plt.subplots(len(specs), 1, figsize=(max(6.0, 1.5 * widest + 3), 3.4 * len(specs)), squeeze=False)
+    width = 0.8 / max(len(summary[key]) for key in summary)
+    colors = {mode: f"C{i}" for i, mode in enumerate(modes)}
+    for ax, spec in zip(axes[:, 0], specs):
+        shapes = [shape for s, shape in summary if s == spec]
+        top = 1.0
+        for j, shape in enumerate(shapes):
+            present = [m for m in modes if m in summary[(spec, shape)]]  # bars of one shape side by side
+            for i, mode in enumerate(present):
+                value = summary[(spec, shape)][mode]
+                x = j + (i - (len(present) - 1) / 2) * width
+                if isinstance(value, float):
+                    ax.bar(x, value, width, color=colors[mode])
+                    ax.annotate(f"{value:.2f}", (x, value), ha="center", va="bottom", fontsize=7)
+                    top = max(top, value)
+                else:
+                    ax.annotate(value, (x, 0), ha="center", va="bottom", rotation=90, fontsize=7, color=colors[mode])
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(shapes)
+        ax.set_xlim(-0.6, len(shapes) - 0.4)
+        ax.set_ylim(0, top * 1.15)
+        ax.set_ylabel("FLA ms / lrdsl ms")
+        ax.set_title(f"{spec}: above 1, lrdsl is faster")
+        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[m]) for m in modes], labels=modes, fontsize=8,
+                  loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -182,35 +182,123 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import torch
+    from .bench import parse_shapes, require_matplotlib
 
-    from . import load
-    from .bench import (
-        DECODE_SHAPES, HEADER, TRAINING_SHAPES, allow_fla_gated_backward_on_hopper, bench, format_row, to_json,
-    )
-    from .passes.pipeline import run_pipeline
-    from .spec import load_spec
+    # everything that can be wrong with the command is said before any GPU time is spent
+    for option, target in (("--json", args.json), ("--plot", args.plot)):
+        if target and not Path(target).resolve().parent.is_dir():
+            raise LrdslError(f"{option} {target}: directory {Path(target).parent} does not exist")
+    if args.plot:
+        require_matplotlib()
+    if args.from_json:
+        return _bench_report_from_json(args)
+    spec_paths = _bench_spec_paths(args)
+    shapes = parse_shapes(args.shapes)
+    plans = [p.strip() for p in args.plans.split(",")] if args.plans else None
+
+    import torch
 
     if not torch.cuda.is_available():
         raise LrdslError("bench needs a CUDA GPU (timings on the CPU interpreter mean nothing)")
-    rec = run_pipeline(load_spec(args.spec), until="recurrence")["recurrence"]
-    module = load(args.spec)
-    shapes = {"training": TRAINING_SHAPES, "decode": DECODE_SHAPES}[args.shapes]
-    kernel = "chunk" if args.shapes == "training" else "recurrent"
-    if kernel == "chunk" and not hasattr(module, "chunk"):
-        raise LrdslError(f"{rec.name} has no chunk kernels to benchmark")
-    plans = args.plans.split(",") if args.plans else list(getattr(module, "CHUNK_PLANS", ()))
+    return _bench_on_gpu(args, spec_paths, shapes, plans)
+
+
+def _bench_report_from_json(args) -> int:
+    """Table, summary, JSON and plot of rows measured earlier (no GPU needed)."""
+    from .bench import rows_from_json
+
+    if args.specs or args.all:
+        raise LrdslError("bench --from-json reports rows measured earlier: give no spec files or --all")
+    return _bench_report([row for path in args.from_json for row in rows_from_json(path)], args, print_rows=True)
+
+
+def _bench_report(rows, args, print_rows: bool) -> int:
+    """The ratio summary, --json, --plot; exit status 1 when an lrdsl row FAILED the gate."""
+    from .bench import HEADER, LRDSL, format_row, format_summary, plot_ratios, to_json
+
+    if print_rows:
+        print(f"{HEADER}\n{'-' * len(HEADER)}")
+        for row in rows:
+            print(format_row(row))
+    print()
+    print(format_summary(rows))
+    if args.json:
+        Path(args.json).write_text(to_json(rows))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_ratios(rows, args.plot)
+        print(f"wrote {args.plot}")
+    failed = [r for r in rows if r.impl == LRDSL and not r.ok]
+    if failed:
+        print(f"{len(failed)} lrdsl row(s) FAILED the correctness gate")
+    return 1 if failed else 0
+
+
+def _bench_spec_paths(args) -> list[str]:
+    """The specs named, or with --all every spec in ./specs that has an FLA counterpart."""
+    from .bench import fla_baseline
+    from .passes.pipeline import run_pipeline
+    from .spec import load_spec
+
+    if args.all and args.specs:
+        raise LrdslError("bench: give spec files or --all, not both")
+    if not args.all:
+        if not args.specs:
+            raise LrdslError("bench: give one or more spec files, or --all")
+        return args.specs
+    found = sorted(Path("specs").glob("*.toml"))
+    chosen = [str(p) for p in found
+              if fla_baseline(run_pipeline(load_spec(p), until="recurrence")["recurrence"]) is not None]
+    if not chosen:
+        raise LrdslError("bench --all: no spec in ./specs has an FLA counterpart (run it from the repository root)")
+    return chosen
+
+
+def _bench_on_gpu(args, spec_paths, shapes, plans) -> int:
+    import torch
     import triton
 
-    print(f"{rec.name}: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    from . import load
+    from .bench import HEADER, SpecUnderTest, allow_fla_gated_backward_on_hopper, bench, fla_baseline, format_row, resolve_fla
+    from .passes.pipeline import run_pipeline
+    from .spec import load_spec
+
+    specs = []
+    for path in spec_paths:
+        rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
+        module = load(path)
+        for plan in plans or ():
+            if hasattr(module, "chunk") and plan not in module.CHUNK_PLANS:
+                raise LrdslError(f"--plans: {rec.name} has no plan {plan!r}; plans: {', '.join(module.CHUNK_PLANS)}")
+        specs.append(SpecUnderTest(rec.name, rec, module))
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"fla-core {_installed_version('fla-core')}, flash-qla {_installed_version('flash-qla')}; seed {args.seed}")
+    for spec in specs:
+        if fla_baseline(spec.rec) is None:
+            print(f"note: {spec.name} has no FLA counterpart: lrdsl rows only, no ratio")
+        elif resolve_fla(fla_baseline(spec.rec)) is None:
+            print(f"note: fla-core is not importable: {spec.name} gets lrdsl rows only, no ratio")
     if args.backward and allow_fla_gated_backward_on_hopper():
         print("note: fla-core's refusal of its gated backward on Hopper with triton < 3.7.1 is lifted to time it")
     print(f"{HEADER}\n{'-' * len(HEADER)}")
-    rows = bench(module, rec, shapes, plans, kernel=kernel, backward=args.backward,
-                 on_row=lambda row: print(format_row(row), flush=True))
-    if args.json:
-        Path(args.json).write_text(to_json(rows))
-    return 0
+
+    def show(group):
+        for row in group:
+            print(format_row(row), flush=True)
+
+    rows = bench(specs, shapes, plans=plans, backward=args.backward, seed=args.seed, on_rows=show,
+                 on_note=lambda text: print(f"note: {text}", flush=True))
+    return _bench_report(rows, args, print_rows=False)  # the rows were printed as they came
+
+
+def _installed_version(distribution: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "absent"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,11 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("bench", help="time the generated kernels side by side with fla-core (GPU)")
-    p.add_argument("spec")
-    p.add_argument("--shapes", choices=["training", "decode"], default="training")
-    p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: all)")
-    p.add_argument("--backward", action="store_true", help="time forward + backward (training)")
+    p.add_argument("specs", nargs="*", metavar="SPEC", help="spec files (or --all)")
+    p.add_argument("--all", action="store_true", help="every spec in ./specs with an FLA counterpart")
+    p.add_argument("--shapes", default="training",
+                   help="comma-separated: training, decode, a known shape by BxT (4x4096, 256x1) or "
+                        "BxTxHxHV[xKxV]; T = 1 is decode (default training)")
+    p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: the module's default plan)")
+    p.add_argument("--backward", action="store_true", help="also time forward + backward (training shapes)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG of FLA / lrdsl per shape (needs matplotlib)")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="instead of measuring: report (and --plot, --json) rows that earlier --json runs wrote")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="compile a spec to a file, run it against the oracle, print errors and times")

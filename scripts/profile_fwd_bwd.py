@@ -41,33 +41,37 @@ def main(argv) -> int:
     from lrdsl import bench as lb
     from lrdsl.passes.pipeline import run_pipeline
     from lrdsl.spec import load_spec
-    from lrdsl.workloads import Shape, make_inputs
 
     rec = run_pipeline(load_spec(SPEC), until="recurrence")["recurrence"]
     lb.allow_fla_gated_backward_on_hopper()
-    fla = lb.fla_functions(rec)
-    if fla is None:
+    baseline = lb.fla_baseline(rec)
+    resolved = lb.resolve_fla(baseline)
+    if resolved is None:
         return fail("needs fla-core, the kernels it compares with (pip install fla-core)")
+    fla_chunk = resolved[0]
 
     from torch.profiler import ProfilerActivity, profile
+
+    from lrdsl.workloads import Shape
 
     B, T, H, HV = dims
     shape = Shape(B, T, H, HV, 128, 128)
     mod = lrdsl.load(SPEC)
-    gen = torch.Generator().manual_seed(0)
-    leaves = [t.cuda().requires_grad_()
-              for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=gen, normalize_keys=False)]
-    d_o = torch.randn(B, T, HV, 128, generator=gen).to("cuda", torch.bfloat16)
-    common = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
-    for name, fn in [("lrdsl", mod.chunk), ("fla", fla[0])]:
+    contenders = [
+        lb.lrdsl_contenders(mod, decode=False, plans=[mod.DEFAULT_CHUNK_PLAN])[0],
+        lb.fla_contender(rec, baseline.chunk, fla_chunk, l2norm=True),  # called by keyword
+    ]
+    call = lb.make_call(rec, shape, torch.bfloat16, "cuda", torch.Generator().manual_seed(0), l2norm=True).requiring_grad()
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    for contender in contenders:
         for _ in range(3):
-            lb._forward_backward(fn, leaves, d_o, common, {})
+            lb.run_mode(contender, call, lb.FORWARD_BACKWARD, names)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                lb._forward_backward(fn, leaves, d_o, common, {})
+                lb.run_mode(contender, call, lb.FORWARD_BACKWARD, names)
             torch.cuda.synchronize()
-        print(f"== {name} {shape} (5 calls)")
+        print(f"== {contender.impl} {contender.kernel} {shape} (5 calls)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     return 0
 

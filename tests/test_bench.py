@@ -1,0 +1,516 @@
+"""The benchmark harness (lrdsl.bench) without a GPU and without fla-core: row building, the
+correctness gate, FLA's keyword mapping, ratios, JSON and the plot, at tiny shapes on the CPU.
+
+fla-core is replaced by a fake package whose functions have fla-core 0.6.0's exact signatures,
+compute what the real ones compute (through the float64 oracle) and record how they were called.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import types
+
+import pytest
+import torch
+
+from lrdsl import bench, cli, reference
+from lrdsl.errors import LrdslError
+from lrdsl.workloads import Shape
+
+from conftest import HAS_GPU, ROOT
+from helpers import module, recurrence
+from test_cli import assert_one_line_error, run
+
+TINY_TRAINING = Shape(2, 20, 1, 2, 16, 16)
+TINY_DECODE = Shape(2, 1, 1, 2, 16, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# A fake fla-core: fla-core 0.6.0's signatures, the oracle's numbers, a record of every call
+# ---------------------------------------------------------------------------------------------
+
+
+class FakeFla:
+    """Modules fla.ops.{gated_delta_rule, delta_rule, simple_gla}; `calls` records (function,
+    positional args, keyword args) of every call."""
+
+    def __init__(self):
+        self.calls = []
+        record = self._record
+        gdn, deltanet, simple_gla = recurrence("gdn"), recurrence("deltanet"), recurrence("simple_gla")
+
+        def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                   allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
+                                   cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, **kwargs):
+            record("chunk_gated_delta_rule", locals())
+            return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                             initial_state=None, output_final_state=False,
+                                             use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                                             dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                                             state_v_first=False, cu_seqlens=None, **kwargs):
+            record("fused_recurrent_gated_delta_rule", locals())
+            if gk is not None or gv is not None:
+                raise ValueError("this fake has no key- or value-channel gates (gk, gv)")
+            return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                             use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+            record("chunk_delta_rule", locals())
+            return _as_fla(deltanet, q, k, v, [beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False,
+                                       use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+            record("fused_recurrent_delta_rule", locals())
+            return _as_fla(deltanet, q, k, v, [beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                             state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+            record("chunk_simple_gla", locals())
+            return _as_fla(simple_gla, q, k, v, [g], scale, initial_state, output_final_state, False)
+
+        def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                                       output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None,
+                                       **kwargs):
+            record("fused_recurrent_simple_gla", locals())
+            return _as_fla(simple_gla, q, k, v, [g], scale, initial_state, output_final_state, False)
+
+        self.modules = {}
+        for package, functions in {
+            "fla.ops.gated_delta_rule": (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule),
+            "fla.ops.delta_rule": (chunk_delta_rule, fused_recurrent_delta_rule),
+            "fla.ops.simple_gla": (chunk_simple_gla, fused_recurrent_simple_gla),
+        }.items():
+            fake = types.ModuleType(package)
+            for function in functions:
+                function.__module__ = f"{package}.{'chunk' if function.__name__.startswith('chunk') else 'fused_recurrent'}"
+                setattr(fake, function.__name__, function)
+            self.modules[package] = fake
+
+    def _record(self, name, local_variables):
+        self.calls.append((name, dict(local_variables)))
+
+    def importer(self, name):
+        if name not in self.modules:
+            raise ModuleNotFoundError(f"No module named {name!r} (fake fla-core)")
+        return self.modules[name]
+
+
+def _as_fla(rec, q, k, v, extras, scale, initial_state, output_final_state, l2norm):
+    """What an FLA function returns: o in v's dtype, an fp32 final state (or None)."""
+    o, final_state = reference.run(rec, q, k, v, *extras, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm)
+    return o.to(v.dtype), None if final_state is None else final_state.float()
+
+
+@pytest.fixture
+def fake_fla():
+    return FakeFla()
+
+
+def tiny_call(rec, shape, generator, l2norm=True, dtype=torch.float32):
+    return bench.make_call(rec, shape, dtype, "cpu", generator, l2norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keyword mapping
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla"])
+@pytest.mark.parametrize("decode", [False, True], ids=["chunk", "recurrent"])
+def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decode, fake_fla, generator):
+    rec = recurrence(name)
+    baseline = bench.fla_baseline(rec)
+    fla_chunk, fla_recurrent = bench.resolve_fla(baseline, fake_fla.importer)
+    function, fla_function = (baseline.recurrent, fla_recurrent) if decode else (baseline.chunk, fla_chunk)
+    l2norm = function.l2norm
+    assert l2norm == (name != "simple_gla")  # fla-core's simple_gla has no in-kernel L2 norm
+    contender = bench.fla_contender(rec, function, fla_function, l2norm, fake_fla.importer)
+    assert contender.problem is None
+    call = tiny_call(rec, TINY_DECODE if decode else TINY_TRAINING, generator, l2norm)
+
+    o, final_state = contender.forward(call)
+
+    (called, arguments), = fake_fla.calls
+    assert called == function.name
+    q, k, v, *extras = call.tensors
+    assert arguments["q"] is q and arguments["k"] is k and arguments["v"] is v
+    by_role = {bench.input_role(rec, i.name): x for i, x in zip(rec.inputs, extras)}
+    expected_parameter = {"gate": "g", "beta": "beta"}
+    for role, tensor in by_role.items():
+        assert arguments[expected_parameter[role]] is tensor, f"{role} not passed as {expected_parameter[role]}"
+    if "gk" in arguments:  # fused_recurrent_gated_delta_rule: beta must not land in gk (its 5th parameter)
+        assert arguments["gk"] is None and arguments["gv"] is None
+    assert arguments["initial_state"] is call.initial_state and arguments["output_final_state"] is True
+    assert arguments["scale"] == call.scale
+    assert arguments["use_qk_l2norm_in_kernel"] is l2norm if "use_qk_l2norm_in_kernel" in arguments else not l2norm
+    assert arguments.get("kwargs", {}) == {}  # nothing fell into **kwargs
+
+    ref_o, ref_state = reference.run(rec, *call.tensors, scale=call.scale, initial_state=call.initial_state,
+                                     output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    assert bench.relative_error(o, ref_o) <= 2e-3
+    assert bench.relative_error(final_state, ref_state) <= 2e-3
+    assert bench.fla_dispatch_path(fla_function, bench.fla_keywords(rec, function, call), fake_fla.importer) == "fla-triton"
+
+
+def test_an_fla_function_without_a_needed_parameter_is_a_failed_row_not_a_silent_call(fake_fla, generator):
+    rec = recurrence("gdn")
+    baseline = bench.fla_baseline(rec)
+
+    def chunk_gated_delta_rule(q, k, v, g, scale=None, initial_state=None, output_final_state=False, **kwargs):
+        raise AssertionError("must not be called: beta would vanish into **kwargs")
+
+    contender = bench.fla_contender(rec, baseline.chunk, chunk_gated_delta_rule, l2norm=False)
+    assert contender.problem == ("fla-core's chunk_gated_delta_rule has no parameter beta "
+                                 "(this harness expects fla-core 0.6.0)")
+    shape = Shape(1, 6, 1, 1, 8, 8)
+    call = tiny_call(rec, shape, generator, l2norm=False)
+    oracle = bench.oracle_outputs(rec, call, ["q", "k", "v", "g", "beta"], gradients=False)
+    rows = bench.run_group("gdn", rec, [contender], call, shape, bench.FORWARD, oracle, bench.measure_once,
+                           (1, 6), 2e-3)
+    assert [(r.status, r.reason, r.ms, r.ratio) for r in rows] == [("FAILED", contender.problem, None, None)]
+
+
+def test_specs_without_an_fla_counterpart_are_recognised():
+    assert bench.fla_baseline(recurrence("gdn_qwen35")) is None  # its inputs pass through formulas
+    assert bench.fla_baseline(recurrence("linear_attn")) is None
+    assert bench.fla_baseline(recurrence("kda")) is None
+    assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), FakeFla().importer) is not None
+    assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), _no_fla) is None
+
+
+def _no_fla(name):
+    raise ModuleNotFoundError(f"No module named {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Which FLA path runs
+# ---------------------------------------------------------------------------------------------
+
+
+class _Backend:
+    def __init__(self, backend_type, priority, accepts, available=True):
+        self.backend_type, self.priority, self.accepts, self.available = backend_type, priority, accepts, available
+        self.verified_with = None
+
+    def is_available(self):
+        return self.available
+
+    def is_enabled(self):
+        return True
+
+    def get_implementation(self, function_name):
+        return getattr(self, function_name, None)
+
+    def verify(self, function_name, **keywords):
+        self.verified_with = keywords
+        return self.accepts, None if self.accepts else "refused"
+
+    def chunk_gated_delta_rule(self, **keywords):
+        raise AssertionError("the path is found without running anything")
+
+
+def _fake_backends(*backends):
+    registry = types.SimpleNamespace(operation_name="gated_delta_rule", _backends={b.backend_type: b for b in backends})
+    other = types.SimpleNamespace(operation_name="delta_rule", _backends={"x": _Backend("x", 0, True)})
+    return types.ModuleType("fla.backends"), registry, other
+
+
+@pytest.mark.parametrize("accepts, available, expected", [(True, True, "flashqla"), (False, True, "fla-triton"),
+                                                          (True, False, "fla-triton")])
+def test_dispatch_path_asks_fla_registry_as_its_dispatcher_does(accepts, available, expected, fake_fla, generator):
+    rec = recurrence("gdn")
+    baseline = bench.fla_baseline(rec)
+    fla_chunk, _ = bench.resolve_fla(baseline, fake_fla.importer)
+    flash_qla = _Backend("flash_qla", 3, accepts, available)
+    backends, registry, other = _fake_backends(flash_qla)
+    backends._DISPATCH_DISABLED = False
+    backends._function_registries = {}
+    backends._operation_registries = {"gated_delta_rule": registry, "delta_rule": other}
+    importer = {**fake_fla.modules, "fla.backends": backends}.__getitem__
+    call = tiny_call(rec, TINY_TRAINING, generator)
+    keywords = bench.fla_keywords(rec, baseline.chunk, call)
+
+    assert bench.fla_dispatch_path(fla_chunk, keywords, importer) == expected
+    if available:
+        assert flash_qla.verified_with["beta"] is keywords["beta"]  # the verifier saw the real call's arguments
+
+
+# ---------------------------------------------------------------------------------------------
+# The correctness gate
+# ---------------------------------------------------------------------------------------------
+
+
+def _oracle_contender(rec, impl, kernel, damage):
+    """An implementation computed by the oracle, then damaged: damage(o, final_state)."""
+
+    def forward(call):
+        o, final_state = reference.run(rec, *call.tensors, scale=call.scale, initial_state=call.initial_state,
+                                       output_final_state=True, use_qk_l2norm_in_kernel=call.l2norm)
+        return damage(o.to(call.tensors[2].dtype), final_state.float())
+
+    return bench.Contender(impl, kernel, forward)
+
+
+def _group(rec, contenders, call, shape, mode, prefix):
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    oracle = bench.oracle_outputs(rec, call.prefix(rec, *prefix), names, gradients=mode == bench.FORWARD_BACKWARD)
+    return bench.run_group(rec.name, rec, contenders, call, shape, mode, oracle, bench.measure_once, prefix, 2e-3)
+
+
+@pytest.mark.parametrize("mode", [bench.FORWARD, bench.FORWARD_BACKWARD])
+def test_gate_fails_a_wrong_or_non_finite_row_and_gives_it_no_ratio(mode, generator):
+    rec = recurrence("gdn")
+    shape = Shape(2, 9, 1, 2, 8, 8)
+    call = tiny_call(rec, shape, generator)
+    fla = _oracle_contender(rec, bench.FLA, "fla_like", lambda o, s: (o, s))
+    right = _oracle_contender(rec, bench.LRDSL, "right", lambda o, s: (o, s))
+    wrong = _oracle_contender(rec, bench.LRDSL, "off by 1%", lambda o, s: (o * 1.01, s))
+    nan = _oracle_contender(rec, bench.LRDSL, "nan", lambda o, s: (o, s * float("nan")))
+
+    rows = {r.kernel: r for r in _group(rec, [fla, right, wrong, nan], call, shape, mode, (2, 9))}
+
+    assert rows["fla_like"].ok and rows["right"].ok, rows
+    assert rows["right"].ratio == pytest.approx(rows["fla_like"].ms / rows["right"].ms)
+    assert rows["right"].err_vs_oracle <= 2e-3 and rows["right"].diff_vs_other <= 2e-3
+    assert not rows["off by 1%"].ok and rows["off by 1%"].ratio is None
+    assert "differs from the float64 oracle by 1.0e-02" in rows["off by 1%"].reason
+    assert rows["off by 1%"].diff_vs_other == pytest.approx(1e-2, rel=1e-3)
+    assert not rows["nan"].ok and rows["nan"].ratio is None
+    assert "final state not finite" in rows["nan"].reason
+
+
+def test_gate_cross_checks_the_full_shape_where_the_oracle_sees_a_prefix(generator):
+    """Right on the oracle's prefix, wrong after it: only the comparison with the other
+    implementation at the full shape can see it, and it fails both rows (it cannot say which)."""
+    rec = recurrence("deltanet")
+    shape = Shape(1, 12, 1, 1, 8, 8)
+    call = tiny_call(rec, shape, generator)
+
+    def wrong_after_prefix(o, final_state):
+        if o.shape[1] <= 8:
+            return o, final_state
+        o = o.clone()
+        o[:, 8:] *= 1.1
+        return o, final_state * 1.1
+
+    fla = _oracle_contender(rec, bench.FLA, "fla_like", lambda o, s: (o, s))
+    ours = _oracle_contender(rec, bench.LRDSL, "wrong after the prefix", wrong_after_prefix)
+
+    rows = _group(rec, [fla, ours], call, shape, bench.FORWARD, (1, 8))
+
+    assert all(r.err_vs_oracle <= 2e-3 for r in rows)  # the prefix re-run and the full run's o prefix pass
+    assert [r.status for r in rows] == ["FAILED", "FAILED"]
+    assert "differs from lrdsl wrong after the prefix" in rows[0].reason
+    assert "differs from fla-core fla_like" in rows[1].reason
+    assert rows[1].ratio is None
+
+
+def test_an_implementation_that_raises_is_a_failed_row(generator):
+    rec = recurrence("simple_gla")
+    shape = Shape(1, 5, 1, 1, 8, 8)
+
+    def refuses(call):
+        raise RuntimeError("this shape is not supported\nsecond line")
+
+    rows = _group(rec, [bench.Contender(bench.LRDSL, "refuses", refuses)], tiny_call(rec, shape, generator, False),
+                  shape, bench.FORWARD, (1, 5))
+    assert [(r.status, r.reason) for r in rows] == [("FAILED", "RuntimeError: this shape is not supported")]
+
+
+def test_without_fla_the_rows_are_lrdsl_only_gated_by_the_oracle_and_without_ratio():
+    rec = recurrence("simple_gla")
+
+    def oracle_kernel(q, k, v, *extras, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, plan=None):
+        o, final_state = reference.run(rec, q, k, v, *extras, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o.to(v.dtype), final_state.float()
+
+    stand_in = types.SimpleNamespace(chunk=oracle_kernel, recurrent=oracle_kernel, DEFAULT_CHUNK_PLAN="split")
+    rows = bench.bench([bench.SpecUnderTest("simple_gla", rec, stand_in)], [Shape(1, 7, 1, 2, 8, 8), Shape(3, 1, 1, 2, 8, 8)],
+                       backward=True, device="cpu", dtype=torch.float32, seed=int(torch.seed() % 2**31), importer=_no_fla)
+    assert [(r.mode, r.impl, r.kernel, r.status, r.ratio) for r in rows] == [
+        ("fwd", "lrdsl", "chunk[split]", "ok", None), ("fwd+bwd", "lrdsl", "chunk[split]", "ok", None),
+        ("decode", "lrdsl", "recurrent", "ok", None)]
+    assert all(r.err_vs_oracle <= 2e-3 and r.diff_vs_other is None for r in rows)
+    assert bench.ratio_summary(rows)[("simple_gla", "1x7x1x2x8x8")] == {"fwd": "no FLA", "fwd+bwd": "no FLA"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole harness on lrdsl's kernels (Triton's interpreter) against the fake fla-core
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gdn_rows():
+    """bench() as `lrdsl bench specs/gdn.toml --backward --shapes ...` runs it, at tiny shapes on
+    the CPU, with an oracle prefix shorter than the sequence (so the prefix re-runs happen)."""
+    fake = FakeFla()
+    seed = int(torch.seed() % 2**31)
+    print(f"[seed {seed}]")
+    spec = bench.SpecUnderTest("gdn", recurrence("gdn"), module("gdn"))
+    rows = bench.bench([spec], [TINY_TRAINING, TINY_DECODE], backward=True, device="cpu", dtype=torch.float32,
+                       seed=seed, importer=fake.importer, oracle_tokens=16)
+    return rows, fake
+
+
+def test_harness_times_every_mode_and_gates_every_row_on_cpu(gdn_rows):
+    rows, fake = gdn_rows
+    table = [(r.mode, r.shape, r.impl, r.kernel, r.path) for r in rows]
+    assert table == [
+        ("fwd", "2x20x1x2x16x16", "fla-core", "chunk_gated_delta_rule", "fla-triton"),
+        ("fwd", "2x20x1x2x16x16", "lrdsl", "chunk[split]", "lrdsl"),
+        ("fwd+bwd", "2x20x1x2x16x16", "fla-core", "chunk_gated_delta_rule", "fla-triton"),
+        ("fwd+bwd", "2x20x1x2x16x16", "lrdsl", "chunk[split]", "lrdsl"),
+        ("decode", "2x1x1x2x16x16", "fla-core", "fused_recurrent_gated_delta_rule", "fla-triton"),
+        ("decode", "2x1x1x2x16x16", "lrdsl", "recurrent", "lrdsl"),
+    ]
+    for r in rows:
+        assert r.ok, r
+        assert r.err_vs_oracle <= 2e-3 and r.diff_vs_other <= 2e-3, r
+        assert (r.ratio is not None) == (r.impl == "lrdsl")
+    by_group = {(r.mode, r.impl): r for r in rows}
+    for mode in ("fwd", "fwd+bwd", "decode"):
+        assert by_group[(mode, "lrdsl")].ratio == pytest.approx(by_group[(mode, "fla-core")].ms / by_group[(mode, "lrdsl")].ms)
+    assert by_group[("fwd+bwd", "lrdsl")].worst_vs_oracle  # gradients were checked: a name is recorded
+    assert by_group[("decode", "lrdsl")].state_tbps > 0 and by_group[("decode", "lrdsl")].tflops is None
+    # each FLA function was called by keyword only: full run and the oracle prefix's re-run
+    assert {name for name, _ in fake.calls} == {"chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"}
+    assert all(arguments["kwargs"] == {} for _, arguments in fake.calls)
+
+
+def test_summary_json_and_table_carry_status_ratio_and_path(gdn_rows, tmp_path):
+    rows, _ = gdn_rows
+    records = json.loads(bench.to_json(rows))
+    assert [(x["status"], x["path"], x["ratio"] is not None) for x in records] == [
+        ("ok", r.path, r.impl == "lrdsl") for r in rows]
+    summary = bench.ratio_summary(rows)
+    assert set(summary) == {("gdn", "2x20x1x2x16x16"), ("gdn", "2x1x1x2x16x16")}
+    assert summary[("gdn", "2x20x1x2x16x16")] == {
+        "fwd": rows[1].ratio, "fwd+bwd": rows[3].ratio}
+    text = bench.format_summary(rows)
+    assert "FLA / lrdsl" in text and f"{rows[1].ratio:.2f}" in text
+    assert bench.format_row(rows[5]).split()[6:8] == [f"{rows[5].ms * 1e3:.1f}", "us"]
+
+
+def test_rows_written_by_json_are_reported_again_without_a_gpu(gdn_rows, tmp_path, capsys):
+    """Runs split over several processes (one spec each) are combined: --from-json."""
+    rows, _ = gdn_rows
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(bench.to_json(rows[:4]))
+    second.write_text(bench.to_json(rows[4:]))
+    combined = tmp_path / "all.json"
+    assert cli.main(["bench", "--from-json", str(first), str(second), "--json", str(combined)]) == 0
+    printed = capsys.readouterr().out
+    assert bench.format_row(rows[5]) in printed and bench.format_summary(rows) in printed
+    assert bench.rows_from_json(combined) == rows
+    (tmp_path / "bad.json").write_text('[{"spec": "gdn"}]')
+    assert "not rows written by lrdsl bench --json" in _error_line(["bench", "--from-json", str(tmp_path / "bad.json")], capsys)
+    assert "give no spec files or --all" in _error_line(["bench", "--all", "--from-json", str(first)], capsys)
+
+
+def test_plot_writes_a_png_of_the_ratios(gdn_rows, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows, _ = gdn_rows
+    failed = bench.BenchRow("deltanet", "fwd", "4x4096x16x32", "lrdsl", "chunk[split]", "lrdsl", "FAILED", "o wrong")
+    path = tmp_path / "ratios.png"
+    bench.plot_ratios(rows + [failed], path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_one_clear_error(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    with pytest.raises(LrdslError, match=r"^--plot needs matplotlib, which is not installed \(pip install matplotlib\)$"):
+        bench.plot_ratios([], tmp_path / "x.png")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shapes_option():
+    assert bench.parse_shapes("training") == list(bench.TRAINING_SHAPES)
+    assert bench.parse_shapes("4x4096,1x65536,256x1") == [bench.TRAINING_SHAPES[0], bench.TRAINING_SHAPES[2],
+                                                          bench.DECODE_SHAPES[2]]
+    assert bench.parse_shapes("decode,1x1") == list(bench.DECODE_SHAPES)
+    assert bench.parse_shapes("2x512x4x8,3x1x1x3x64x32") == [Shape(2, 512, 4, 8, 128, 128), Shape(3, 1, 1, 3, 64, 32)]
+    assert [bench.shape_label(s) for s in bench.DECODE_SHAPES] == ["1x1x16x32", "64x1x16x32", "256x1x16x32", "1024x1x16x32"]
+    assert bench.modes_for(bench.DECODE_SHAPES[0], backward=True, device="cuda") == ("decode", "decode graph")
+    assert bench.modes_for(bench.TRAINING_SHAPES[0], backward=True, device="cuda") == ("fwd", "fwd+bwd")
+    assert bench.oracle_prefix(bench.TRAINING_SHAPES[0]) == (1, 1024)
+    assert bench.oracle_prefix(bench.DECODE_SHAPES[3]) == (1024, 1)
+    with pytest.raises(LrdslError, match="'4x4097' is not a shape"):
+        bench.parse_shapes("4x4097")
+    with pytest.raises(LrdslError, match="HV = 3 is not a multiple of H = 2"):
+        bench.parse_shapes("1x8x2x3")
+
+
+def _error_line(argv, capsys) -> str:
+    """`lrdsl ARGV` in this process: exit status 2 and one error line, which is returned."""
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lrdsl: error: "), lines
+    return lines[0]
+
+
+def test_bench_command_errors_are_one_line_before_any_gpu_work(tmp_path, capsys):
+    assert "bench: give one or more spec files, or --all" in _error_line(["bench"], capsys)
+    assert "give spec files or --all, not both" in _error_line(["bench", "specs/gdn.toml", "--all"], capsys)
+    assert "--shapes: '4x4097' is not a shape" in _error_line(["bench", "specs/gdn.toml", "--shapes", "4x4097"], capsys)
+    line = _error_line(["bench", "specs/gdn.toml", "--json", str(tmp_path / "no" / "x.json")], capsys)
+    assert "--json" in line and "does not exist" in line
+    if not HAS_GPU:
+        assert "bench needs a CUDA GPU" in _error_line(["bench", "specs/gdn.toml", "specs/deltanet.toml"], capsys)
+
+
+def test_all_picks_every_spec_with_an_fla_counterpart(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    args = cli.build_parser().parse_args(["bench", "--all"])
+    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/simple_gla.toml"]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LrdslError, match="no spec in ./specs has an FLA counterpart"):
+        cli._bench_spec_paths(args)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="with a GPU, bench times the training shapes (minutes)")
+def test_bench_of_several_specs_without_gpu_is_a_one_line_error(tmp_path):
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    expected = "bench needs a CUDA GPU" if has_matplotlib else "--plot needs matplotlib"
+    result = run(["bench", "--all", "--backward", "--shapes", "training,decode", "--plot", str(tmp_path / "r.png"),
+                  "--json", str(tmp_path / "r.json")])
+    assert_one_line_error(result, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: the harness end to end at a small shape (the fake fla-core keeps it to seconds)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_harness_on_gpu_times_decode_as_a_graph_replay_and_gates_every_row():
+    fake = FakeFla()
+    spec = bench.SpecUnderTest("gdn", recurrence("gdn"), module("gdn"))
+    rows = bench.bench([spec], [Shape(2, 256, 2, 4, 128, 128), Shape(8, 1, 2, 4, 128, 128)], backward=True,
+                       device="cuda", importer=fake.importer, oracle_tokens=128)
+    for r in rows:
+        print(bench.format_row(r))
+    modes = [(r.mode, r.impl) for r in rows]
+    assert modes == [(m, impl) for m in ("fwd", "fwd+bwd", "decode", "decode graph") for impl in ("fla-core", "lrdsl")]
+    for r in rows:
+        if r.mode == "decode graph" and not r.ok:  # what the graph row says when capture fails
+            assert r.reason.startswith("NotCapturable: not capturable in a CUDA graph"), r
+            continue
+        assert r.ok, r
+        assert r.ms > 0 and r.err_vs_oracle <= 8e-3
+        assert r.diff_vs_other <= 8e-3 if r.diff_vs_other is not None else r.mode == "decode graph"  # FLA's capture failed
+    for ours in (r for r in rows if r.impl == "lrdsl"):
+        theirs = next(r for r in rows if r.impl == "fla-core" and r.mode == ours.mode)
+        assert (ours.ratio is not None) == (ours.ok and theirs.ok)
+    assert all(r.peak_mib > 0 for r in rows if r.mode != "decode graph")
