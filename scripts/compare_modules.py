@@ -1,0 +1,146 @@
+"""Time several generated gdn modules side by side with fla-core, in one process (GPU).
+
+Each module is a file written by `lrdsl compile specs/gdn.toml -o NAME.py` (from different
+commits or codegen choices); every one runs on the same inputs, and its outputs (and with
+--backward its gradients) are compared with the first implementation's. BENCHMARKS.md's
+"how we got here" table came from this:
+
+    python scripts/compare_modules.py --mods 'mods/*.py' --fla [--backward] [--profile 4x4096x16x32]
+        [--oracle NAME]    # also: every plan and chunk size of module NAME vs the float64 oracle
+        [--sweep 'NAME@4x4096x16x32:scan=32,4,3;...']   # launch settings of one role, one at a time
+
+Results go to $OUT/perf.json (or /tmp) and a summary table.
+"""
+import argparse, importlib.util, json, os, sys, time, glob
+import torch, triton, triton.testing
+
+sys.path.insert(0, os.getcwd())
+from lrdsl.workloads import Shape, make_inputs, relative_error
+from lrdsl import reference
+from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.spec import load_spec
+
+OUT = os.environ.get("OUT", "/tmp")
+p = argparse.ArgumentParser()
+p.add_argument("--mods", default="mods/*.py")
+p.add_argument("--shapes", default="4x4096x16x32,1x32768x16x32,1x65536x2x8")
+p.add_argument("--backward", action="store_true")
+p.add_argument("--fla", action="store_true")
+p.add_argument("--profile", default="")
+p.add_argument("--sweep", default="")  # role=BV,warps,stages;... variants on the first module
+p.add_argument("--oracle", default="")  # comma list of module names
+args = p.parse_args()
+
+rec = run_pipeline(load_spec("specs/gdn.toml"), until="recurrence")["recurrence"]
+
+def load(path):
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
+
+mods = {os.path.splitext(os.path.basename(f))[0]: load(f) for f in sorted(glob.glob(args.mods))}
+fla = None
+if args.fla:
+    import fla.ops.common.chunk_o as co
+    co.TRITON_ABOVE_3_7_1 = True
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    fla = lambda q, k, v, g, beta, **kw: chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, **kw)
+
+results = []
+def rec_row(**kw):
+    results.append(kw); print(json.dumps(kw), flush=True)
+
+def run(fn, leaves, d_o, backward):
+    if backward:
+        o, ht = fn(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True)
+        return (o, ht) + torch.autograd.grad(o, leaves, d_o)
+    return fn(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True)
+
+def timeit(f):
+    torch.cuda.synchronize(); t = time.perf_counter(); out = f(); torch.cuda.synchronize(); cold = time.perf_counter() - t
+    torch.cuda.reset_peak_memory_stats(); f(); torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated() / 2**20
+    ms = triton.testing.do_bench(f, warmup=30, rep=150, return_mode="median")
+    return ms, peak, cold, out
+
+if args.oracle:
+    # forward + gradients vs the float64 oracle on a small slice, every module
+    g = torch.Generator().manual_seed(1)
+    shape = Shape(2, 300, 2, 4, 128, 128)
+    ts = [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=g, normalize_keys=False)]
+    d_o = torch.randn(2, 300, 4, 128, generator=g).cuda()
+    leaves64 = [t.double().requires_grad_() for t in ts]
+    o_ref, ht_ref = reference.run(rec, *leaves64, scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    grads_ref = torch.autograd.grad(o_ref, leaves64, d_o.double())
+    for name, m in mods.items():
+        if name not in args.oracle.split(','):
+            continue
+        for plan in m.CHUNK_PLANS:
+            for C in ((16, 64) if plan == "split" else (64,)):
+                leaves = [t.clone().requires_grad_() for t in ts]
+                o, ht = m.chunk(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True, plan=plan, chunk_size=C)
+                grads = torch.autograd.grad(o, leaves, d_o.to(o.dtype))
+                errs = [relative_error(o, o_ref), relative_error(ht, ht_ref)] + [relative_error(a, b) for a, b in zip(grads, grads_ref)]
+                rec_row(kind="oracle", mod=name, plan=plan, C=C, worst=max(errs), errs=[round(e, 5) for e in errs])
+
+for s in args.shapes.split(","):
+    B, T, H, HV = map(int, s.split("x"))
+    shape = Shape(B, T, H, HV, 128, 128)
+    g = torch.Generator().manual_seed(0)
+    ts = [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=g, normalize_keys=False)]
+    leaves = [t.requires_grad_() for t in ts] if args.backward else ts
+    d_o = torch.randn(B, T, HV, 128, generator=g).to("cuda", torch.bfloat16)
+    impls = ([("fla", fla)] if fla else []) + [(n, m.chunk) for n, m in mods.items()]
+    ref_out = None
+    for name, fn in impls:
+        ms, peak, cold, out = timeit(lambda: run(fn, leaves, d_o, args.backward))
+        diff = None
+        if ref_out is None:
+            ref_out = out
+        else:
+            diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
+        rec_row(kind="time", shape=s, impl=name, bwd=args.backward, ms=round(ms, 4), peak=round(peak), cold=round(cold, 1),
+                diff=diff, finite=all(torch.isfinite(x).all().item() for x in out))
+    if args.sweep:
+        for item in args.sweep.split(";"):
+            where, rest = item.split(":")
+            name, shape_sel = where.split("@")
+            if shape_sel != s:
+                continue
+            m = mods[name]
+            role, cfg = rest.split("=")
+            BV, w, st = map(int, cfg.split(","))
+            saved = dict(m.CHUNK_LAUNCH[role])
+            m.CHUNK_LAUNCH[role] = {"BV": BV, "num_warps": w, "num_stages": st}
+            try:
+                ms, peak, cold, out = timeit(lambda: run(m.chunk, leaves, d_o, args.backward))
+                diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
+                rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, ms=round(ms, 4), diff=diff)
+            except Exception as e:
+                rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, error=str(e)[:200])
+            m.CHUNK_LAUNCH[role] = saved
+    if args.profile and s in args.profile.split("+"):
+        from torch.profiler import profile, ProfilerActivity
+        for name, fn in impls:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    run(fn, leaves, d_o, args.backward)
+                torch.cuda.synchronize()
+            table = {}
+            for e in prof.key_averages():
+                if e.device_type.name == "CUDA" or getattr(e, "cuda_time_total", 0):
+                    t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                    if t > 0:
+                        table[e.key[:60]] = round(t / 3 / 1000, 4)
+            top = sorted(table.items(), key=lambda kv: -kv[1])[:14]
+            rec_row(kind="profile", shape=s, impl=name, kernels_ms=top)
+    torch.cuda.empty_cache()
+
+json.dump(results, open(os.path.join(OUT, "perf.json"), "w"), indent=1)
+print("=== summary ===")
+for r in results:
+    if r["kind"] == "time":
+        print(f'{r["shape"]:<16} {r["impl"]:<14} bwd={r["bwd"]} {r["ms"]:>8.3f} ms peak {r["peak"]:>6} cold {r["cold"]:>5} diff {r["diff"]} finite {r["finite"]}')
+    elif r["kind"] == "sweep":
+        print(f'sweep {r["shape"]:<16} {r["role"]} {r["cfg"]} {r.get("ms")} {r.get("error", "")[:80]} diff {r.get("diff")}')
+    elif r["kind"] == "oracle":
+        print(f'oracle {r["mod"]} {r["plan"]} C={r["C"]} worst {r["worst"]:.2e}')
