@@ -531,7 +531,8 @@ CHUNK_LAUNCH_WIDE_K = {"bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}
 CHUNK_LAUNCH_FP32 = {"bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
 # Measured on the H200 (BENCHMARKS.md): 3 stages cut the forward scan at 1 x 65536 with 8 value
 # heads (32 programs) from 1.64 to 1.28 ms per call, and slowed it at 4 x 4096 (512 programs).
-CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"num_stages": 3}}
+# The backward scan has the same loop-carried structure.
+CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"num_stages": 3}, "bwd_scan": {"num_stages": 3}}
 
 BUFFER_SHAPES = {
     ("C", "K"): "(B, T, HV, K)",
