@@ -1,0 +1,254 @@
+"""lrdsl.layers.GatedDeltaNet against transformers' Qwen3_5GatedDeltaNet (its torch path, fp32) and
+against a float64 oracle of the whole layer (projections, convolution and norm in float64 PyTorch,
+the recurrence through lrdsl.reference); lrdsl.integrations.patch_qwen35 on a tiny random model."""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+from lrdsl import reference
+from lrdsl.errors import LrdslError
+from lrdsl.integrations import patch_qwen35, unpatch
+from lrdsl.layers import GatedDeltaNet, GatedDeltaNetCache
+from lrdsl.layers.gated_deltanet import CONFIG_ATTRIBUTES, RECURRENCE_SPEC
+from lrdsl.specs_registry import resolve_spec
+from lrdsl.workloads import TOLERANCE, relative_error
+
+TOL = TOLERANCE[torch.float32]
+
+
+def tiny_config(layer_types=("linear_attention",)):
+    """GVA 2 (2 key heads, 4 value heads), head dims 16 and 24, convolution width 4."""
+    return Qwen3_5TextConfig(
+        hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=24, linear_conv_kernel_dim=4, hidden_act="silu", rms_norm_eps=1e-6,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types), vocab_size=64, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def randomize(module, generator):
+    """Fresh random weights at scales that keep the layer's activations O(1)."""
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if name.endswith("A_log"):
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) * 2 - 1)
+            elif name.endswith("norm.weight"):
+                parameter.copy_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
+            else:
+                fan_in = parameter.shape[-1] if parameter.dim() > 1 else 1
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) / fan_in**0.5)
+
+
+def layer_pair(generator):
+    config = tiny_config()
+    theirs = Qwen3_5GatedDeltaNet(config, layer_idx=0)
+    randomize(theirs, generator)
+    ours = GatedDeltaNet(config, layer_idx=0)
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+def oracle(layer, x, window=None, state=None):
+    """The layer in float64: (output, final window, final state), differentiable in x and layer's
+    float64 parameters (passed as layer's own tensors, converted here)."""
+    p = {name: parameter for name, parameter in layer.named_parameters()}
+    B, T, _ = x.shape
+    W = layer.conv_kernel_size
+    mixed = x @ p["in_proj_qkv.weight"].T
+    if window is None:
+        window = torch.zeros(B, layer.conv_dim, W, dtype=x.dtype)
+    extended = torch.cat([window.transpose(1, 2), mixed], dim=1)  # the W inputs before the call, then the call's
+    weight = p["conv1d.weight"][:, 0]
+    pre = sum(weight[:, j] * extended[:, 1 + j : 1 + j + T] for j in range(W))
+    q, k, v = torch.split(F.silu(pre), [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    o, final_state = reference.run(
+        resolve_spec(RECURRENCE_SPEC), q.reshape(B, T, layer.num_k_heads, -1),
+        k.reshape(B, T, layer.num_k_heads, -1), v.reshape(B, T, layer.num_v_heads, -1),
+        x @ p["in_proj_a.weight"].T, x @ p["in_proj_b.weight"].T, p["A_log"], p["dt_bias"],
+        initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    z = (x @ p["in_proj_z.weight"].T).reshape(o.shape)
+    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.layer_norm_epsilon) * p["norm.weight"] * F.silu(z)
+    out = normed.reshape(B, T, -1) @ p["out_proj.weight"].T
+    return out, extended[:, -W:].transpose(1, 2), final_state
+
+
+def double_copy(layer):
+    return copy.deepcopy(layer).double()
+
+
+def grads(module, x, out, seed):
+    parameters = dict(module.named_parameters())
+    values = torch.autograd.grad(out, [x] + list(parameters.values()), seed)
+    return dict(zip(["input"] + list(parameters), values))
+
+
+def test_parameters_are_transformers_names_and_shapes(generator):
+    ours, theirs = layer_pair(generator)
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in theirs.named_parameters()]
+    theirs.load_state_dict(ours.state_dict())  # and back: strict in both directions
+
+
+def test_prefill_output_and_every_gradient(generator):
+    ours, theirs = layer_pair(generator)
+    x = torch.randn(2, 13, 32, generator=generator)
+    x_ours, x_theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    x_oracle = x.double().requires_grad_(True)
+    exact = double_copy(ours)
+    out = ours(x_ours)
+    out_theirs = theirs(x_theirs)
+    out_oracle = oracle(exact, x_oracle)[0]
+    assert relative_error(out, out_oracle) <= TOL
+    assert relative_error(out, out_theirs) <= TOL
+    seed = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    got = grads(ours, x_ours, out, seed.float())
+    expected = grads(exact, x_oracle, out_oracle, seed)
+    transformers_grads = grads(theirs, x_theirs, out_theirs, seed.float())
+    assert set(got) == set(expected) == set(transformers_grads)
+    for name in got:
+        assert relative_error(got[name], expected[name]) <= TOL, f"d{name} vs the oracle"
+        assert relative_error(got[name], transformers_grads[name]) <= TOL, f"d{name} vs transformers"
+
+
+def test_prefill_then_decode_equals_one_prefill(generator):
+    """Prefill 5 tokens, a second multi-token call of 3 against the cache, then 3 one-token steps
+    == one call of all 11; with our cache and with transformers' DynamicCache, against transformers."""
+    ours, theirs = layer_pair(generator)
+    x = torch.randn(2, 11, 32, generator=generator)
+    parts = [x[:, :5], x[:, 5:8]] + [x[:, t : t + 1] for t in range(8, 11)]
+    exact = double_copy(ours)
+    with torch.no_grad():
+        whole, window_ref, state_ref = oracle(exact, x.double())
+        ours_cache, hf_cache_ours, hf_cache_theirs = GatedDeltaNetCache(), DynamicCache(config=tiny_config()), DynamicCache(config=tiny_config())
+        stepped = torch.cat([ours(part, cache=ours_cache) for part in parts], dim=1)
+        stepped_hf_cache = torch.cat([ours(part, cache=hf_cache_ours) for part in parts], dim=1)
+        stepped_theirs = torch.cat([theirs(part, cache=hf_cache_theirs) for part in parts], dim=1)
+    assert relative_error(stepped, whole) <= TOL
+    assert relative_error(stepped_hf_cache, whole) <= TOL
+    assert relative_error(stepped, stepped_theirs) <= TOL
+    for cache in (ours_cache, hf_cache_ours):
+        assert relative_error(cache.get_conv_state(0), window_ref) <= 1e-6
+        assert relative_error(cache.get_recurrent_state(0), state_ref) <= TOL
+    assert relative_error(hf_cache_ours.get_recurrent_state(0), hf_cache_theirs.get_recurrent_state(0)) <= TOL
+
+
+def test_decode_step_with_gradients_enabled(generator):
+    """A one-token step under autograd takes the differentiable convolution path: same output."""
+    ours, _ = layer_pair(generator)
+    x = torch.randn(1, 6, 32, generator=generator)
+    caches = GatedDeltaNetCache(), GatedDeltaNetCache()
+    with torch.no_grad():
+        ours(x[:, :5], cache=caches[0])
+        ours(x[:, :5], cache=caches[1])
+        without = ours(x[:, 5:], cache=caches[0])
+    with_grad = ours(x[:, 5:].clone().requires_grad_(True), cache=caches[1])
+    assert with_grad.requires_grad
+    assert relative_error(with_grad, without) <= 1e-6
+    assert torch.equal(caches[0].get_conv_state(0), caches[1].get_conv_state(0))
+
+
+def test_padded_batch(generator):
+    """Left padding (what generate uses) matches transformers, outputs and gradients; with right
+    padding, the padded positions leave no trace: each row's output and cache equal the row alone."""
+    ours, theirs = layer_pair(generator)
+    x = torch.randn(3, 9, 32, generator=generator)
+    lengths = [9, 4, 1]
+    left = torch.zeros(3, 9, dtype=torch.long)
+    right = torch.zeros(3, 9, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        left[row, 9 - n :] = 1
+        right[row, :n] = 1
+    x_ours, x_theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours_cache, theirs_cache = DynamicCache(config=tiny_config()), DynamicCache(config=tiny_config())
+    out = ours(x_ours, cache=ours_cache, attention_mask=left)
+    out_theirs = theirs(x_theirs, cache=theirs_cache, attention_mask=left)
+    assert relative_error(out, out_theirs) <= TOL
+    assert torch.count_nonzero(out[left == 0]) == 0
+    seed = torch.randn(out.shape, generator=generator)
+    got, expected = grads(ours, x_ours, out, seed), grads(theirs, x_theirs, out_theirs, seed)
+    for name in got:
+        assert relative_error(got[name], expected[name]) <= TOL, f"d{name}"
+    assert relative_error(ours_cache.get_recurrent_state(0), theirs_cache.get_recurrent_state(0)) <= TOL
+    assert relative_error(ours_cache.get_conv_state(0), theirs_cache.get_conv_state(0)) <= 1e-6
+
+    exact = double_copy(ours)
+    cache = GatedDeltaNetCache()
+    with torch.no_grad():
+        out = ours(x, cache=cache, attention_mask=right)
+        for row, n in enumerate(lengths):
+            alone, window, state = oracle(exact, x[row : row + 1, :n].double())
+            assert relative_error(out[row, :n], alone[0]) <= TOL
+            assert torch.count_nonzero(out[row, n:]) == 0
+            assert relative_error(cache.get_conv_state(0)[row], window[0]) <= 1e-6
+            assert relative_error(cache.get_recurrent_state(0)[row], state[0]) <= TOL
+
+
+def test_bad_config_and_inputs_get_one_line_errors(generator):
+    config = SimpleNamespace(**{name: getattr(tiny_config(), name) for name in CONFIG_ATTRIBUTES})
+    del config.linear_conv_kernel_dim
+    with pytest.raises(LrdslError, match="the config lacks linear_conv_kernel_dim"):
+        GatedDeltaNet(config)
+    config = tiny_config()
+    config.hidden_act = "gelu"
+    with pytest.raises(LrdslError, match="hidden_act 'gelu' is not supported"):
+        GatedDeltaNet(config)
+    layer, _ = layer_pair(generator)
+    with pytest.raises(LrdslError, match=r"hidden_states must be \[B, T, 32\], got \[2, 5, 31\]"):
+        layer(torch.randn(2, 5, 31))
+    with pytest.raises(LrdslError, match=r"attention_mask must be a 2-D padding mask \[B, T\] = \[2, 5\]"):
+        layer(torch.randn(2, 5, 32), attention_mask=torch.ones(2, 1, 5, 5))
+    with pytest.raises(LrdslError, match="lacks get_/update_conv_state"):
+        layer(torch.randn(2, 5, 32), cache=object())
+
+
+def tiny_model(generator, layer_types=("linear_attention", "full_attention")):
+    """A random Qwen3.5 text model with weights at O(1) activation scales (transformers' own
+    initialisation makes every gradient tiny and the comparison meaningless)."""
+    model = Qwen3_5ForCausalLM(tiny_config(layer_types)).eval()
+    randomize(model, generator)
+    return model
+
+
+def test_patched_model_generates_the_same_20_tokens(generator):
+    model = tiny_model(generator)
+    prompt = torch.randint(1, 64, (2, 6), generator=generator)
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0  # the second prompt is left-padded
+    options = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    expected = model.generate(prompt, **options)
+    patch_qwen35(model)
+    assert isinstance(model.model.layers[0].linear_attn, GatedDeltaNet)
+    got = model.generate(prompt, **options)
+    unpatch(model)
+    assert type(model.model.layers[0].linear_attn) is Qwen3_5GatedDeltaNet
+    assert got.shape == (2, 26)
+    assert torch.equal(got, expected), f"tokens differ:\n{got[:, 6:]}\n{expected[:, 6:]}"
+
+
+def test_patched_model_loss_and_gradients(generator):
+    model = tiny_model(generator).train()
+    ids = torch.randint(1, 64, (2, 10), generator=generator)
+    loss = model(ids, labels=ids).loss
+    expected = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
+    patch_qwen35(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert names == list(expected)  # the same parameters, shared, not copied
+    patched_loss = model(ids, labels=ids).loss
+    got = dict(zip(names, torch.autograd.grad(patched_loss, list(model.parameters()))))
+    assert relative_error(patched_loss, loss) <= TOL
+    for name in names:
+        assert relative_error(got[name], expected[name]) <= TOL, name
+    unpatch(model)
+
+
+def test_patch_needs_a_qwen35_model():
+    with pytest.raises(LrdslError, match="has no 'linear_attn' layers"):
+        patch_qwen35(torch.nn.Linear(2, 2))
