@@ -47,13 +47,13 @@ def randomize(module, generator):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) / fan_in**0.5)
 
 
-def layer_pair(generator):
+def layer_pair(generator, device="cpu"):
     config = tiny_config()
     theirs = Qwen3_5GatedDeltaNet(config, layer_idx=0)
     randomize(theirs, generator)
     ours = GatedDeltaNet(config, layer_idx=0)
     ours.load_state_dict(theirs.state_dict())
-    return ours, theirs
+    return ours.to(device), theirs.to(device)
 
 
 def oracle(layer, x, window=None, state=None):
@@ -82,12 +82,13 @@ def oracle(layer, x, window=None, state=None):
 
 
 def double_copy(layer):
-    return copy.deepcopy(layer).double()
+    """The layer's weights in float64 on the CPU, for the oracle."""
+    return copy.deepcopy(layer).double().cpu()
 
 
 def grads(module, x, out, seed):
     parameters = dict(module.named_parameters())
-    values = torch.autograd.grad(out, [x] + list(parameters.values()), seed)
+    values = torch.autograd.grad(out, [x] + list(parameters.values()), seed.to(out.device, out.dtype))
     return dict(zip(["input"] + list(parameters), values))
 
 
@@ -97,10 +98,10 @@ def test_parameters_are_transformers_names_and_shapes(generator):
     theirs.load_state_dict(ours.state_dict())  # and back: strict in both directions
 
 
-def test_prefill_output_and_every_gradient(generator):
-    ours, theirs = layer_pair(generator)
+def test_prefill_output_and_every_gradient(generator, device):
+    ours, theirs = layer_pair(generator, device)
     x = torch.randn(2, 13, 32, generator=generator)
-    x_ours, x_theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    x_ours, x_theirs = x.to(device).requires_grad_(True), x.to(device).requires_grad_(True)
     x_oracle = x.double().requires_grad_(True)
     exact = double_copy(ours)
     out = ours(x_ours)
@@ -109,21 +110,22 @@ def test_prefill_output_and_every_gradient(generator):
     assert relative_error(out, out_oracle) <= TOL
     assert relative_error(out, out_theirs) <= TOL
     seed = torch.randn(out.shape, generator=generator, dtype=torch.float64)
-    got = grads(ours, x_ours, out, seed.float())
+    got = grads(ours, x_ours, out, seed)
     expected = grads(exact, x_oracle, out_oracle, seed)
-    transformers_grads = grads(theirs, x_theirs, out_theirs, seed.float())
+    transformers_grads = grads(theirs, x_theirs, out_theirs, seed)
     assert set(got) == set(expected) == set(transformers_grads)
     for name in got:
         assert relative_error(got[name], expected[name]) <= TOL, f"d{name} vs the oracle"
         assert relative_error(got[name], transformers_grads[name]) <= TOL, f"d{name} vs transformers"
 
 
-def test_prefill_then_decode_equals_one_prefill(generator):
+def test_prefill_then_decode_equals_one_prefill(generator, device):
     """Prefill 5 tokens, a second multi-token call of 3 against the cache, then 3 one-token steps
     == one call of all 11; with our cache and with transformers' DynamicCache, against transformers."""
-    ours, theirs = layer_pair(generator)
+    ours, theirs = layer_pair(generator, device)
     x = torch.randn(2, 11, 32, generator=generator)
-    parts = [x[:, :5], x[:, 5:8]] + [x[:, t : t + 1] for t in range(8, 11)]
+    on_device = x.to(device)
+    parts = [on_device[:, :5], on_device[:, 5:8]] + [on_device[:, t : t + 1] for t in range(8, 11)]
     exact = double_copy(ours)
     with torch.no_grad():
         whole, window_ref, state_ref = oracle(exact, x.double())
@@ -140,10 +142,10 @@ def test_prefill_then_decode_equals_one_prefill(generator):
     assert relative_error(hf_cache_ours.get_recurrent_state(0), hf_cache_theirs.get_recurrent_state(0)) <= TOL
 
 
-def test_decode_step_with_gradients_enabled(generator):
+def test_decode_step_with_gradients_enabled(generator, device):
     """A one-token step under autograd takes the differentiable convolution path: same output."""
-    ours, _ = layer_pair(generator)
-    x = torch.randn(1, 6, 32, generator=generator)
+    ours, _ = layer_pair(generator, device)
+    x = torch.randn(1, 6, 32, generator=generator).to(device)
     caches = GatedDeltaNetCache(), GatedDeltaNetCache()
     with torch.no_grad():
         ours(x[:, :5], cache=caches[0])
@@ -155,10 +157,10 @@ def test_decode_step_with_gradients_enabled(generator):
     assert torch.equal(caches[0].get_conv_state(0), caches[1].get_conv_state(0))
 
 
-def test_padded_batch(generator):
+def test_padded_batch(generator, device):
     """Left padding (what generate uses) matches transformers, outputs and gradients; with right
     padding, the padded positions leave no trace: each row's output and cache equal the row alone."""
-    ours, theirs = layer_pair(generator)
+    ours, theirs = layer_pair(generator, device)
     x = torch.randn(3, 9, 32, generator=generator)
     lengths = [9, 4, 1]
     left = torch.zeros(3, 9, dtype=torch.long)
@@ -166,7 +168,8 @@ def test_padded_batch(generator):
     for row, n in enumerate(lengths):
         left[row, 9 - n :] = 1
         right[row, :n] = 1
-    x_ours, x_theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    left, right = left.to(device), right.to(device)
+    x_ours, x_theirs = x.to(device).requires_grad_(True), x.to(device).requires_grad_(True)
     ours_cache, theirs_cache = DynamicCache(config=tiny_config()), DynamicCache(config=tiny_config())
     out = ours(x_ours, cache=ours_cache, attention_mask=left)
     out_theirs = theirs(x_theirs, cache=theirs_cache, attention_mask=left)
@@ -182,7 +185,7 @@ def test_padded_batch(generator):
     exact = double_copy(ours)
     cache = GatedDeltaNetCache()
     with torch.no_grad():
-        out = ours(x, cache=cache, attention_mask=right)
+        out = ours(x.to(device), cache=cache, attention_mask=right)
         for row, n in enumerate(lengths):
             alone, window, state = oracle(exact, x[row : row + 1, :n].double())
             assert relative_error(out[row, :n], alone[0]) <= TOL
@@ -217,9 +220,9 @@ def tiny_model(generator, layer_types=("linear_attention", "full_attention")):
     return model
 
 
-def test_patched_model_generates_the_same_20_tokens(generator):
-    model = tiny_model(generator)
-    prompt = torch.randint(1, 64, (2, 6), generator=generator)
+def test_patched_model_generates_the_same_20_tokens(generator, device):
+    model = tiny_model(generator).to(device)
+    prompt = torch.randint(1, 64, (2, 6), generator=generator).to(device)
     mask = torch.ones_like(prompt)
     mask[1, :2] = 0  # the second prompt is left-padded
     options = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
@@ -233,9 +236,9 @@ def test_patched_model_generates_the_same_20_tokens(generator):
     assert torch.equal(got, expected), f"tokens differ:\n{got[:, 6:]}\n{expected[:, 6:]}"
 
 
-def test_patched_model_loss_and_gradients(generator):
-    model = tiny_model(generator).train()
-    ids = torch.randint(1, 64, (2, 10), generator=generator)
+def test_patched_model_loss_and_gradients(generator, device):
+    model = tiny_model(generator).to(device).train()
+    ids = torch.randint(1, 64, (2, 10), generator=generator).to(device)
     loss = model(ids, labels=ids).loss
     expected = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
     patch_qwen35(model)
@@ -252,3 +255,81 @@ def test_patched_model_loss_and_gradients(generator):
 def test_patch_needs_a_qwen35_model():
     with pytest.raises(LrdslError, match="has no 'linear_attn' layers"):
         patch_qwen35(torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 at Qwen3.5's released head geometry (16 key heads, 32 value heads, head dims 128).
+# The references are the float64 oracle and transformers' torch path in fp32, both on the same
+# bf16-representable weights and inputs. Run: pytest -m gpu tests/test_layer.py -s (prints errors).
+# ---------------------------------------------------------------------------------------------
+
+BF16_TOL = TOLERANCE[torch.bfloat16]
+
+
+def released_config():
+    config = tiny_config()
+    config.hidden_size = 2048
+    config.linear_num_key_heads, config.linear_num_value_heads = 16, 32
+    config.linear_key_head_dim = config.linear_value_head_dim = 128
+    return config
+
+
+def bf16_layers(generator, device):
+    """(ours in bf16, transformers' layer in fp32 holding the same bf16-rounded weights)."""
+    config = released_config()
+    ours = GatedDeltaNet(config, layer_idx=0)
+    randomize(ours, generator)
+    ours = ours.to(device, torch.bfloat16)
+    theirs = Qwen3_5GatedDeltaNet(config, layer_idx=0).to(device)
+    theirs.load_state_dict({name: value.float() for name, value in ours.state_dict().items()})
+    return ours, theirs
+
+
+def report(what, error):
+    print(f"  bf16 {what}: relative error {error:.2e}")
+    return error
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_released_geometry_prefill_and_gradients(generator, device):
+    ours, theirs = bf16_layers(generator, device)
+    x = torch.randn(2, 200, 2048, generator=generator).bfloat16()
+    x_ours, x_theirs = x.to(device).requires_grad_(True), x.float().to(device).requires_grad_(True)
+    x_oracle = x.double().requires_grad_(True)
+    exact = double_copy(ours)
+    out, out_theirs, out_oracle = ours(x_ours), theirs(x_theirs), oracle(exact, x_oracle)[0]
+    assert report("output vs oracle", relative_error(out, out_oracle)) <= BF16_TOL
+    assert report("output vs transformers fp32", relative_error(out, out_theirs)) <= BF16_TOL
+    seed = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    got, expected = grads(ours, x_ours, out, seed), grads(exact, x_oracle, out_oracle, seed)
+    transformers_grads = grads(theirs, x_theirs, out_theirs, seed)
+    for name in got:
+        assert report(f"d{name} vs oracle", relative_error(got[name], expected[name])) <= BF16_TOL, name
+        assert report(f"d{name} vs transformers fp32", relative_error(got[name], transformers_grads[name])) <= BF16_TOL, name
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_released_geometry_decode_and_padding(generator, device):
+    """Prefill of 130, 3 one-token steps == the oracle's one prefill; a left-padded batch's output
+    and cached state vs transformers fp32."""
+    ours, theirs = bf16_layers(generator, device)
+    x = torch.randn(2, 133, 2048, generator=generator).bfloat16()
+    on_device = x.to(device)
+    cache = DynamicCache(config=released_config())
+    with torch.no_grad():
+        stepped = torch.cat([ours(on_device[:, :130], cache=cache)]
+                            + [ours(on_device[:, t : t + 1], cache=cache) for t in range(130, 133)], dim=1)
+        whole, window, state = oracle(double_copy(ours), x.double())
+    assert report("prefill + decode vs oracle", relative_error(stepped, whole)) <= BF16_TOL
+    assert report("cached state vs oracle", relative_error(cache.get_recurrent_state(0), state)) <= BF16_TOL
+    assert torch.equal(cache.get_conv_state(0).cpu().double(), window)
+
+    mask = torch.ones(2, 133, dtype=torch.long, device=device)
+    mask[1, :50] = 0
+    caches = DynamicCache(config=released_config()), DynamicCache(config=released_config())
+    with torch.no_grad():
+        out = ours(on_device, cache=caches[0], attention_mask=mask)
+        out_theirs = theirs(on_device.float(), cache=caches[1], attention_mask=mask)
+    assert report("left-padded batch vs transformers fp32", relative_error(out, out_theirs)) <= BF16_TOL
+    assert report("left-padded cached state vs transformers fp32",
+                  relative_error(caches[0].get_recurrent_state(0), caches[1].get_recurrent_state(0))) <= BF16_TOL

@@ -103,8 +103,12 @@ def oracle(tensors, gate, beta, **options):
                          initial_state=t["initial_state"], **options), t
 
 
-def leaves(tensors):
-    return {name: x.detach().clone().requires_grad_(True) for name, x in tensors.items()}
+def leaves(tensors, device="cpu"):
+    return {name: x.detach().to(device).clone().requires_grad_(True) for name, x in tensors.items()}
+
+
+def on(device, tensors):
+    return {name: x.to(device) for name, x in tensors.items()}
 
 
 def call_chunk(x, gate, beta, **options):
@@ -117,11 +121,11 @@ def call_chunk(x, gate, beta, **options):
 
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("beta", BETAS)
-def test_chunk_every_flag_combination(generator, gate, beta):
+def test_chunk_every_flag_combination(generator, device, gate, beta):
     """Outputs, final state and the gradient of every input (the raw g and beta, A_log, dt_bias,
     the initial state) against autograd through the oracle; 20 tokens in chunks of 16."""
     tensors = make_inputs(generator, gate, beta)
-    x = leaves(tensors)
+    x = leaves(tensors, device)
     o, ht = call_chunk(x, gate, beta, chunk_size=16)
     x_ref = leaves(tensors)
     (o_ref, ht_ref), t = oracle(x_ref, gate, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -129,7 +133,7 @@ def test_chunk_every_flag_combination(generator, gate, beta):
     assert relative_error(ht, ht_ref) <= TOL
     do = torch.randn(o.shape, generator=generator, dtype=torch.float64)
     dht = torch.randn(ht.shape, generator=generator, dtype=torch.float64)
-    got = torch.autograd.grad((o, ht), list(x.values()), (do.float(), dht.float()))
+    got = torch.autograd.grad((o, ht), list(x.values()), (do.to(device, torch.float32), dht.to(device, torch.float32)))
     expected = torch.autograd.grad((o_ref, ht_ref), list(x_ref.values()), (do, dht))
     for name, a, b in zip(x, got, expected):
         assert relative_error(a, b) <= TOL, f"d{name}"
@@ -137,23 +141,24 @@ def test_chunk_every_flag_combination(generator, gate, beta):
 
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("beta", BETAS + (None,))
-def test_fused_recurrent_every_flag_combination(generator, gate, beta):
+def test_fused_recurrent_every_flag_combination(generator, device, gate, beta):
     """Forward against the oracle; beta=None means beta = 1, as in FLA."""
     tensors = make_inputs(generator, gate, beta or "given", B=2, T=5)
     if beta is None:
         tensors["beta"] = torch.ones_like(tensors["beta"])
-    heads = {name: tensors[name] for name in ("A_log", "dt_bias") if name in tensors}
+    x = on(device, tensors)
+    heads = {name: x[name] for name in ("A_log", "dt_bias") if name in x}
     with torch.no_grad():
         o, ht = ops.fused_recurrent_gated_delta_rule(
-            tensors["q"], tensors["k"], tensors["v"], g=tensors.get("g"), beta=None if beta is None else tensors["beta"],
-            initial_state=tensors["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+            x["q"], x["k"], x["v"], g=x.get("g"), beta=None if beta is None else x["beta"],
+            initial_state=x["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
             **flags(gate, beta or "given"), **heads)
     (o_ref, ht_ref), _ = oracle(tensors, gate, beta or "given", output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert relative_error(o, o_ref) <= TOL
     assert relative_error(ht, ht_ref) <= TOL
 
 
-def test_varlen_cu_seqlens_cpu_chunk_size_and_fla_chunk_indices(generator):
+def test_varlen_cu_seqlens_cpu_chunk_size_and_fla_chunk_indices(generator, device):
     """Packed sequences of lengths 0, 1, 17, 5 in chunks of 32: chunk indices from cu_seqlens_cpu,
     or FLA's own int64 chunk indices, give the oracle's result."""
     lengths = [0, 1, 17, 5]
@@ -161,10 +166,12 @@ def test_varlen_cu_seqlens_cpu_chunk_size_and_fla_chunk_indices(generator):
     tensors = make_inputs(generator, "in_kernel_dt_bias", "sigmoid", T=int(cu[-1]), H=2, HV=4, K=24, V=20, N=len(lengths))
     (o_ref, ht_ref), _ = oracle(tensors, "in_kernel_dt_bias", "sigmoid", output_final_state=True,
                                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    x = on(device, tensors)
     with torch.no_grad():
-        o, ht = call_chunk(tensors, "in_kernel_dt_bias", "sigmoid", chunk_size=32, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+        o, ht = call_chunk(x, "in_kernel_dt_bias", "sigmoid", chunk_size=32, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
         fla_indices = torch.tensor([[1, 0], [2, 0], [3, 0]], dtype=torch.int64)  # (sequence, chunk) of every chunk
-        o2, ht2 = call_chunk(tensors, "in_kernel_dt_bias", "sigmoid", chunk_size=32, cu_seqlens=cu, chunk_indices=fla_indices)
+        o2, ht2 = call_chunk(x, "in_kernel_dt_bias", "sigmoid", chunk_size=32, cu_seqlens=cu.to(device),
+                             chunk_indices=fla_indices.to(device))
     for out, final in ((o, ht), (o2, ht2)):
         assert relative_error(out, o_ref) <= TOL
         assert relative_error(final, ht_ref) <= TOL
@@ -178,8 +185,8 @@ def test_spec_per_flag_combination_is_written_and_cached():
     assert ops.spec_module("log", "given") is ops.spec_module("log", "given")
 
 
-def test_unsupported_options_raise(generator):
-    x = make_inputs(generator, "log", "given", T=3)
+def test_unsupported_options_raise(generator, device):
+    x = on(device, make_inputs(generator, "log", "given", T=3))
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
     chunk, recurrent = ops.chunk_gated_delta_rule, ops.fused_recurrent_gated_delta_rule
     cases = [

@@ -62,29 +62,32 @@ INSTALLED_CHECK = textwrap.dedent('''
 
     assert Path(lrdsl.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), lrdsl.__file__
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     B, T, H, HV, K, V = 1, 6, 1, 2, 16, 8
     q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
     v, a, b = torch.randn(B, T, HV, V), torch.randn(B, T, HV), torch.randn(B, T, HV)
     A_log, dt_bias = torch.rand(HV), torch.randn(HV)
-    o, _ = chunk_gated_delta_rule(q, k, v, a, b, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+    x = [t.to(device) for t in (q, k, v, a, b, A_log, dt_bias)]
+    o, _ = chunk_gated_delta_rule(*x[:5], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                  A_log=x[5], dt_bias=x[6], use_beta_sigmoid_in_kernel=True)
     g = -A_log.double().exp() * torch.nn.functional.softplus(a.double() + dt_bias.double())
     ref, _ = reference.run(resolve_spec("gdn"), q, k, v, g, b.double().sigmoid(),
                            use_qk_l2norm_in_kernel=True)
     error = relative_error(o, ref)
     assert error <= 2e-3, error
     gdn = lrdsl.load("gdn")
-    assert relative_error(gdn.chunk(q, k, v, g.float(), b.sigmoid(), use_qk_l2norm_in_kernel=True)[0], ref) <= 2e-3
+    o, _ = gdn.chunk(*x[:3], g.float().to(device), x[4].sigmoid(), use_qk_l2norm_in_kernel=True)
+    assert relative_error(o, ref) <= 2e-3
 
     class Config:
         hidden_size, linear_num_key_heads, linear_num_value_heads = 16, 1, 2
         linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim = 16, 8, 4
         hidden_act, rms_norm_eps = "silu", 1e-6
 
-    x = torch.randn(1, 5, 16, requires_grad=True)
-    out = GatedDeltaNet(Config())(x)
+    hidden = torch.randn(1, 5, 16, device=device, requires_grad=True)
+    out = GatedDeltaNet(Config()).to(device)(hidden)
     out.sum().backward()
-    assert out.shape == (1, 5, 16) and torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert out.shape == (1, 5, 16) and torch.isfinite(out).all() and torch.isfinite(hidden.grad).all()
     print("installed lrdsl ok:", lrdsl.__file__, f"ops error {error:.1e}")
 ''')
 
