@@ -200,23 +200,28 @@ class GatedDeltaNet(nn.Module):
 
     def _mix(self, x: torch.Tensor, cache, cu_seqlens):
         """The layer on unpadded tokens x [B, T, hidden] (B == 1 with cu_seqlens)."""
+        B, T, _ = x.shape
+        o = self.mix_projections(self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x),
+                                 cache=cache, cu_seqlens=cu_seqlens)
+        return self.out_proj(o.reshape(B, T, self.value_dim))
+
+    def mix_projections(self, mixed_qkv, z, a, b, cache=None, cu_seqlens=None):
+        """The part of the layer that runs on lrdsl's kernels, from the projections' outputs
+        (mixed_qkv [B, T, conv_dim], z [B, T, value_dim], a and b [B, T, HV]) to the gated norm's
+        output [B, T, HV, V]: short convolution + SiLU, the gated delta rule, RMSNorm x SiLU(z)."""
         kernels = layer_kernels()
         recurrence = recurrence_module()
-        B, T, _ = x.shape
+        B, T, _ = mixed_qkv.shape
         window = cache.get_conv_state(self.layer_idx) if cache is not None else None
         state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        b = self.in_proj_b(x)
-        a = self.in_proj_a(x)
         weight = self.conv1d.weight
         one_step = T == 1 and cu_seqlens is None
         new_window = None
-        if window is not None and one_step and not (torch.is_grad_enabled() and mixed.requires_grad):
+        if window is not None and one_step and not (torch.is_grad_enabled() and mixed_qkv.requires_grad):
             # decode: the kernel shifts the cached window by this token in place
-            mixed = kernels.short_conv_update(mixed, window, weight, self.conv1d.bias)
+            mixed = kernels.short_conv_update(mixed_qkv, window, weight, self.conv1d.bias)
         else:
-            mixed, new_window = kernels.short_conv(mixed, weight, self.conv1d.bias, initial_window=window,
+            mixed, new_window = kernels.short_conv(mixed_qkv, weight, self.conv1d.bias, initial_window=window,
                                                    output_final_window=cache is not None, cu_seqlens=cu_seqlens)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
@@ -227,8 +232,7 @@ class GatedDeltaNet(nn.Module):
                            output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         if cache is not None:
             self._store(cache, new_window, new_state)
-        o = self.norm(o, z.reshape(B, T, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(o.reshape(B, T, self.value_dim))
+        return self.norm(o, z.reshape(B, T, self.num_v_heads, self.head_v_dim))
 
     def _store(self, cache, window, state) -> None:
         if window is not None:  # None: the decode kernel already updated the cached window in place
