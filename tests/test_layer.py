@@ -169,7 +169,8 @@ def test_decode_step_with_gradients_enabled(generator, device):
 
 def test_padded_batch(generator, device):
     """Left padding (what generate uses) matches transformers, outputs and gradients; with right
-    padding, the padded positions leave no trace: each row's output and cache equal the row alone."""
+    padding, the padded positions leave no trace: each row's output and cache equal the row alone,
+    and equal the rows packed into one (transformers' cu_seq_lens_q)."""
     ours, theirs = layer_pair(generator, device)
     x = torch.randn(3, 9, 32, generator=generator)
     lengths = [9, 4, 1]
@@ -202,6 +203,11 @@ def test_padded_batch(generator, device):
             assert torch.count_nonzero(out[row, n:]) == 0
             assert relative_error(cache.get_conv_state(0)[row], window[0]) <= 1e-6
             assert relative_error(cache.get_recurrent_state(0)[row], state[0]) <= TOL
+        # the same rows packed into one batch row, as transformers passes packed sequences
+        packed = torch.cat([x[row, :n] for row, n in enumerate(lengths)])[None].to(device)
+        cu_seqlens = torch.tensor([0, 9, 13, 14], dtype=torch.int32, device=device)
+        out_packed = ours(packed, cu_seq_lens_q=cu_seqlens)
+        assert relative_error(out_packed[0], out[right.bool()]) <= 1e-6
 
 
 def test_bad_config_and_inputs_get_one_line_errors(generator):
