@@ -15,6 +15,7 @@ from ..codegen.module import emit_module
 from ..errors import LrdslError
 from ..passes.pipeline import run_pipeline
 from ..spec import load_spec
+from ..specs_registry import resolve_spec
 from . import cache
 
 KNOWN_OPTIONS: dict[str, object] = {}
@@ -31,15 +32,16 @@ def _check_options(options: dict) -> dict:
 
 
 def generate(path, **options) -> tuple[str, dict]:
-    """Run the pipeline on the spec at `path` and emit the module source. Returns (source, stages)."""
+    """Run the pipeline on the spec at `path` (or a shipped spec's name) and emit the module source.
+    Returns (source, stages)."""
     _check_options(options)
-    stages = run_pipeline(load_spec(path))
+    stages = run_pipeline(load_spec(resolve_spec(path)))
     return emit_module(stages, spec_path=str(path)), stages
 
 
 def load(path, **options):
     options = _check_options(options)
-    spec = load_spec(path)
+    spec = load_spec(resolve_spec(path))
     # the key needs only the canonical IR; the later passes run on a cache miss alone
     recurrence = run_pipeline(spec, until="recurrence")["recurrence"]
     key = cache.cache_key(recurrence.fingerprint(), options)

@@ -1,0 +1,270 @@
+"""Gated delta rule functions with fla-core 0.6.0's signatures, on lrdsl's generated kernels.
+
+Code written against FLA switches by changing one import:
+
+    from lrdsl.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+Parameter names, order and defaults are FLA's. FLA's flags that are really formulas select a
+spec that lrdsl writes and compiles on first use (then caches), so every combination runs on
+kernels generated for exactly it, none hand-written:
+
+    use_gate_in_kernel (with A_log, dt_bias)   log_decay = -exp(A_log) * softplus(g + dt_bias)
+    use_beta_sigmoid_in_kernel                 beta = sigmoid(beta)
+    allow_neg_eigval (with the above)          beta = 2 * sigmoid(beta)
+    g=None (fused_recurrent only)              no decay
+
+chunk_size (16, 32, 64) and cu_seqlens_cpu (chunk indices built on the host, no device
+synchronisation) are honoured; `state_v_first=True` and every option lrdsl does not implement
+raise an error rather than being ignored. Bad tensors raise the generated module's InputError (a
+ValueError) with one line naming the tensor and the expected shape.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import config
+from .runtime.cache import atomic_write
+
+CHUNK_SIZES = (16, 32, 64)
+
+
+class OptionError(ValueError):
+    """An FLA option lrdsl does not implement, or a combination FLA itself refuses (one line)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs for FLA's flags, written on demand
+# ---------------------------------------------------------------------------------------------
+
+def spec_text(gate: str, beta: str, has_dt_bias: bool = False) -> tuple[str, str]:
+    """(name, TOML text) of the spec FLA's flags describe.
+
+    gate: "log" (g is the natural-log decay), "in_kernel" (g is the raw gate projection, with
+    A_log and optionally dt_bias) or "none" (no decay). beta: "given", "sigmoid" or "2sigmoid".
+    """
+    inputs: list[tuple[str, str]] = []
+    formulas: list[tuple[str, str]] = []
+    name = ["fla_gdn"]
+    if gate == "log":
+        inputs.append(("g", "token"))
+        formulas.append(("log_decay", "g"))
+    elif gate == "in_kernel":
+        inputs.append(("g", "token"))
+        argument = "g + dt_bias" if has_dt_bias else "g"
+        formulas.append(("log_decay", f"-exp(A_log) * softplus({argument})"))
+        name.append("gate_in_kernel" + ("_dt_bias" if has_dt_bias else ""))
+    elif gate == "none":
+        name.append("no_gate")
+    else:
+        raise ValueError(f"unknown gate kind {gate!r}")
+    inputs.append(("beta", "token"))
+    beta_formula = {"given": "beta", "sigmoid": "sigmoid(beta)", "2sigmoid": "2 * sigmoid(beta)"}[beta]
+    formulas.append(("beta", beta_formula))
+    if beta != "given":
+        name.append("beta_" + beta)
+    if gate == "in_kernel":
+        inputs.append(("A_log", "head"))
+        if has_dt_bias:
+            inputs.append(("dt_bias", "head"))
+    spec_name = "_".join(name)
+    lines = [
+        "# Written by lrdsl.ops for fla-core's flags; regenerated on demand, do not edit.",
+        f'name = "{spec_name}"',
+        f'summary = "Gated delta rule, FLA flags: gate {gate}, beta {beta_formula}"',
+        "",
+        "[recurrence]",
+        'update = "delta"',
+        f'gate = "{"none" if gate == "none" else "scalar"}"',
+        "",
+        "[inputs]",
+        *[f'{input_name} = "{role}"' for input_name, role in inputs],
+        "",
+        "[formulas]",
+        *[f'{key} = "{formula}"' for key, formula in formulas],
+        "",
+    ]
+    return spec_name, "\n".join(lines)
+
+
+_modules: dict[tuple[str, str, bool], object] = {}
+
+
+def spec_module(gate: str, beta: str, has_dt_bias: bool = False):
+    """The generated module of spec_text(gate, beta, has_dt_bias): the spec is written to the
+    module cache directory and compiled through lrdsl.load (both cached)."""
+    wanted = (gate, beta, has_dt_bias)
+    if wanted not in _modules:
+        from . import load
+
+        name, text = spec_text(gate, beta, has_dt_bias)
+        path = config.cache_dir() / "specs" / f"{name}.toml"
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            atomic_write(path, text)
+        _modules[wanted] = load(path)
+    return _modules[wanted]
+
+
+# ---------------------------------------------------------------------------------------------
+# Option handling shared by both functions
+# ---------------------------------------------------------------------------------------------
+
+def _fail(fn: str, message: str):
+    raise OptionError(f"{fn}: {message}")
+
+
+def _state_layout(fn: str, state_v_first: bool, kwargs: dict) -> None:
+    if "transpose_state_layout" in kwargs:  # FLA's deprecated name for state_v_first
+        if state_v_first:
+            _fail(fn, "pass either state_v_first or the deprecated transpose_state_layout, not both")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=3)
+        state_v_first = kwargs.pop("transpose_state_layout")
+    if state_v_first:
+        _fail(fn, "state_v_first=True (states stored [N, HV, V, K]) is not implemented yet: the generated kernels "
+                  "keep states [N, HV, K, V]")
+
+
+def _reject_unknown(fn: str, kwargs: dict, known: tuple[str, ...]) -> None:
+    if "head_first" in kwargs:
+        _fail(fn, "head_first was removed from FLA: inputs are [B, T, H, ...]")
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        _fail(fn, f"option {unknown[0]!r} is not supported (supported keyword options: {', '.join(known)})")
+
+
+def _formula_flags(fn: str, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval):
+    """(gate kind, beta kind, has dt_bias, the head inputs to pass after g and beta)."""
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        _fail(fn, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    beta = ("2sigmoid" if allow_neg_eigval else "sigmoid") if use_beta_sigmoid_in_kernel else "given"
+    if not use_gate_in_kernel:
+        # as in FLA, A_log and dt_bias are read only with use_gate_in_kernel
+        return ("none" if g is None else "log"), beta, False, ()
+    if g is None:
+        _fail(fn, "use_gate_in_kernel=True needs g (the raw gate before its activation)")
+    if A_log is None:
+        _fail(fn, "use_gate_in_kernel=True needs A_log [HV]")
+    heads = (A_log,) if dt_bias is None else (A_log, dt_bias)
+    return "in_kernel", beta, dt_bias is not None, heads
+
+
+# ---------------------------------------------------------------------------------------------
+# The functions
+# ---------------------------------------------------------------------------------------------
+
+_CHUNK_KEYWORDS = ("chunk_size", "use_gate_in_kernel", "A_log", "dt_bias")
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    chunk_indices: torch.LongTensor | None = None,
+    cp_context=None,
+    **kwargs,
+):
+    """FLA's chunk_gated_delta_rule on lrdsl's chunk kernels: (o [B, T, HV, V], final state
+    [N, HV, K, V] fp32 or None). Differentiable in q, k, v, g, beta, initial_state, A_log, dt_bias.
+
+    Keyword options as in FLA: chunk_size (16, 32, 64; default 64), use_gate_in_kernel with
+    A_log [HV] and dt_bias [HV] (g is then the raw gate). g=None: no decay (FLA requires g).
+    cp_context (context parallelism) and
+    state_v_first=True are not supported and raise.
+    """
+    fn = "chunk_gated_delta_rule"
+    _state_layout(fn, state_v_first, kwargs)
+    _reject_unknown(fn, kwargs, _CHUNK_KEYWORDS)
+    if cp_context is not None:
+        _fail(fn, "cp_context (context parallelism) is not supported")
+    chunk_size = kwargs.get("chunk_size", 64)
+    if chunk_size not in CHUNK_SIZES:
+        _fail(fn, f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
+    gate, beta_kind, has_dt_bias, heads = _formula_flags(
+        fn, g, kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"), kwargs.get("dt_bias"),
+        use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    module = spec_module(gate, beta_kind, has_dt_bias)
+    if cu_seqlens is not None and chunk_indices is None and cu_seqlens_cpu is not None:
+        chunk_indices = _host_chunk_indices(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_size, q)
+    elif chunk_indices is not None:
+        chunk_indices = _as_chunk_indices(fn, chunk_indices, q)
+    extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
+    return module.chunk(
+        q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
+        chunk_indices=chunk_indices if cu_seqlens is not None else None,
+    )
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float = None,
+    initial_state: torch.Tensor = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLA's fused_recurrent_gated_delta_rule on lrdsl's token-by-token kernel (decode):
+    (o [B, T, HV, V], final state [N, HV, K, V] fp32 or None).
+
+    g=None: no decay; beta=None: beta = 1 (as in FLA). gk and gv (per-key and per-value decays)
+    and state_v_first=True are not supported and raise. Unlike FLA's, it is differentiable (the
+    backward is the chunked one).
+    """
+    fn = "fused_recurrent_gated_delta_rule"
+    _state_layout(fn, state_v_first, kwargs)
+    _reject_unknown(fn, kwargs, ())
+    if gk is not None or gv is not None:
+        _fail(fn, "gk and gv (per-key and per-value decays) are not supported: pass the scalar decay g [B, T, HV]")
+    gate, beta_kind, has_dt_bias, heads = _formula_flags(
+        fn, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if beta is None and isinstance(v, torch.Tensor) and v.dim() == 4:
+        beta = torch.ones(v.shape[:3], dtype=v.dtype, device=v.device)
+    module = spec_module(gate, beta_kind, has_dt_bias)
+    extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
+    return module.recurrent(
+        q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+
+
+def _host_chunk_indices(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_size, q):
+    """Chunk indices from the host copy of cu_seqlens: no device synchronisation."""
+    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+        _fail(fn, "cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens)")
+    if cu_seqlens_cpu.shape != cu_seqlens.shape:
+        _fail(fn, f"cu_seqlens_cpu must have cu_seqlens's shape {list(cu_seqlens.shape)}, got {list(cu_seqlens_cpu.shape)}")
+    indices, _ = module.prepare_varlen(cu_seqlens_cpu, chunk_size)
+    return indices.to(q.device, non_blocking=True)
+
+
+def _as_chunk_indices(fn, chunk_indices, q):
+    """FLA's chunk indices (int64 [NC, 2], same meaning) as the int32 tensor the kernels read."""
+    if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+        _fail(fn, "chunk_indices must be a [NC, 2] tensor of (sequence, chunk) pairs")
+    return chunk_indices.to(device=q.device, dtype=torch.int32).contiguous()
