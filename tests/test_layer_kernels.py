@@ -127,7 +127,9 @@ def norm_reference(x, gate, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight * F.silu(gate)
 
 
-@pytest.mark.parametrize("shape", [(3, 7, 2, 24), (37, 128), (5, 1)])
+# rows of 3 elements, not 1: with one element the norm is sign(x) and its x-gradient
+# eps / (x^2 + eps)^1.5 (about 1e-6) is a difference of nearly equal fp32 terms in any fp32 code
+@pytest.mark.parametrize("shape", [(3, 7, 2, 24), (37, 128), (5, 3)])
 def test_gated_rms_norm_forward_backward(kernels, generator, device, shape):
     x = torch.randn(shape, generator=generator)
     gate = torch.randn(shape, generator=generator)
