@@ -162,13 +162,13 @@ def test_readme_main_command_runs():
 
 # -- the Python examples --------------------------------------------------------------------------
 
-def test_the_documents_have_one_python_example():
-    """The one below; a new example needs a test of its own."""
-    assert [len(fenced_blocks(path, "python")) for path in DOCUMENTS] == [1, 0]
+def test_the_documents_have_three_python_examples():
+    """The three below (kernels, the layer, the FLA-compatible ops); a new example needs a test of its own."""
+    assert [len(fenced_blocks(path, "python")) for path in DOCUMENTS] == [3, 0]
 
 
 def test_readme_python_example(generator, monkeypatch):
-    (example,) = fenced_blocks(ROOT / "README.md", "python")
+    example = fenced_blocks(ROOT / "README.md", "python")[0]
     monkeypatch.chdir(ROOT)
     # ---- set-up the README leaves to the reader: small GDN inputs (B=1, T=20, H=1, HV=2, K=16, V=24),
     # ---- the next token's inputs for decode, and the gradient of o
@@ -193,6 +193,45 @@ def test_readme_python_example(generator, monkeypatch):
                                     use_qk_l2norm_in_kernel=True)
     assert_close(namespace["o1"], ref_o1, torch.float32, "decode o")
     assert_close(namespace["ht"], ref_ht1, torch.float32, "decode final state")
+
+
+def test_readme_layer_example(generator):
+    """The layer example as written, on a tiny Qwen3.5 config, against transformers' own layer
+    (its PyTorch path) holding the same weights."""
+    from test_layer import randomize, tiny_config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    example = fenced_blocks(ROOT / "README.md", "python")[1]
+    config = tiny_config()
+    hf_layer = Qwen3_5GatedDeltaNet(config, layer_idx=0)
+    randomize(hf_layer, generator)
+    hidden_states = torch.randn(2, 13, config.hidden_size, generator=generator)
+    namespace = dict(config=config, hf_layer=hf_layer, hidden_states=hidden_states)
+    exec(compile(example, "README.md layer example", "exec"), namespace)
+    with torch.no_grad():
+        expected = hf_layer(hidden_states)
+    assert_close(namespace["out"].detach(), expected, torch.float32, "layer output")
+
+
+def test_readme_ops_example(generator):
+    """The ops and integrations example as written: the FLA-named functions compute the oracle's
+    recurrence, and the model's layers are transformers' again after unpatch."""
+    from test_layer import tiny_config
+    from transformers import Qwen3_5ForCausalLM
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    example = fenced_blocks(ROOT / "README.md", "python")[2]
+    model = Qwen3_5ForCausalLM(tiny_config())
+    namespace = dict(model=model)
+    exec(compile(example, "README.md ops example", "exec"), namespace)
+    assert all(isinstance(m, Qwen3_5GatedDeltaNet) for m in model.modules() if hasattr(m, "A_log"))
+    rec = recurrence("gdn")
+    q, k, v, g, beta = make_inputs(rec, Shape(1, 20, 1, 2, 16, 24), generator=generator)
+    o, ht = namespace["chunk_gated_delta_rule"](q=q, k=k, v=v, g=g, beta=beta, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    ref_o, ref_ht = reference.run(rec, q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert_close(o, ref_o, torch.float32, "ops chunk o")
+    assert_close(ht, ref_ht, torch.float32, "ops chunk final state")
 
 
 def test_readme_varlen_recipe(generator, monkeypatch):
@@ -250,7 +289,7 @@ def recurrence_of(spec):
 
 def test_shipped_specs_table_matches_the_specs():
     text = (ROOT / "specs" / "README.md").read_text()
-    table = re.search(r"## Shipped specs\n\n(.*?)\n\n", text, re.S).group(1)
+    table = re.search(r"## Shipped specs\n.*?\n(\|.*?)\n\n", text, re.S).group(1)
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
     listed = {}
     for spec_cell, update, gate, inputs in rows:
