@@ -63,7 +63,7 @@ def show_stages() -> tuple[str, ...]:
 def cmd_show(args) -> int:
     from .codegen.module import emit_module
     from .passes.pipeline import run_pipeline
-    from .spec import load_spec
+    from .specs_registry import load_spec_by_name as load_spec
 
     stage = args.stage.replace("-", "_")  # backward-plan reads as well as backward_plan
     if stage not in show_stages():
@@ -90,7 +90,7 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True, all_chunk_
     from . import load
     from .check import check_module, format_header, format_row
     from .passes.pipeline import run_pipeline
-    from .spec import load_spec
+    from .specs_registry import load_spec_by_name as load_spec
 
     interpreted = config.use_interpreter_without_gpu()
     rec = run_pipeline(load_spec(spec_path), until="recurrence")["recurrence"]
@@ -138,7 +138,7 @@ def _prove(spec_path: str, backward: bool = True) -> int:
     from .ir.chunk import NoChunkForm
     from .passes.pipeline import run_pipeline
     from .prove import prove, prove_backward
-    from .spec import load_spec
+    from .specs_registry import load_spec_by_name as load_spec
 
     stages = run_pipeline(load_spec(spec_path), until="backward")
     prog = stages["chunk"]
@@ -238,7 +238,7 @@ def _bench_spec_paths(args) -> list[str]:
     """The specs named, or with --all every spec in ./specs that has an FLA counterpart."""
     from .bench import fla_baseline
     from .passes.pipeline import run_pipeline
-    from .spec import load_spec
+    from .specs_registry import load_spec_by_name as load_spec
 
     if args.all and args.specs:
         raise LrdslError("bench: give spec files or --all, not both")
@@ -261,7 +261,7 @@ def _bench_on_gpu(args, spec_paths, shapes, plans) -> int:
     from . import load
     from .bench import HEADER, SpecUnderTest, allow_fla_gated_backward_on_hopper, bench, fla_baseline, format_row, resolve_fla
     from .passes.pipeline import run_pipeline
-    from .spec import load_spec
+    from .specs_registry import load_spec_by_name as load_spec
 
     specs = []
     for path in spec_paths:

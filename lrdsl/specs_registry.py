@@ -40,3 +40,10 @@ def resolve_spec(spec: str | Path) -> Path:
         return shipped
     names = ", ".join(shipped_spec_names()) or "none"
     raise SpecError(str(spec), f"no such spec file, and no shipped spec of that name (shipped: {names})")
+
+
+def load_spec_by_name(spec: str | Path):
+    """load_spec of a path or a shipped spec's name (`lrdsl show gdn`)."""
+    from .spec import load_spec
+
+    return load_spec(resolve_spec(spec))

@@ -316,3 +316,10 @@ def test_profile_script_without_fla_core_is_one_line(monkeypatch, capsys):
     script = runpy.run_path(str(PROFILE_SCRIPT))  # defines main() without running it
     status = script["main"](["1", "64", "1", "2"])
     assert_one_profile_error(status, capsys.readouterr().err, "needs fla-core")
+
+
+def test_show_takes_a_shipped_spec_by_name(tmp_path):
+    """`lrdsl show gdn` from any directory finds the shipped spec, as load and compile do."""
+    result = run(["show", "gdn", "--stage", "recurrence"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("recurrence gdn")
