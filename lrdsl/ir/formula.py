@@ -14,25 +14,43 @@ from sympy.parsing.sympy_parser import convert_xor, parse_expr, standard_transfo
 
 
 class softplus(sympy.Function):
-    """log(1 + exp(x)), printed in an overflow-safe form."""
+    """log(1 + exp(x)), printed in an overflow-safe form. Positive for real x."""
 
     def fdiff(self, argindex=1):
         return sigmoid(self.args[0])
 
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def _eval_is_positive(self):
+        return self.args[0].is_real
+
 
 class sigmoid(sympy.Function):
-    """1 / (1 + exp(-x))."""
+    """1 / (1 + exp(-x)). Positive for real x."""
 
     def fdiff(self, argindex=1):
         s = sigmoid(self.args[0])
         return s * (1 - s)
 
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def _eval_is_positive(self):
+        return self.args[0].is_real
+
 
 class logsigmoid(sympy.Function):
-    """log(sigmoid(x)) = -softplus(-x)."""
+    """log(sigmoid(x)) = -softplus(-x). Negative for real x."""
 
     def fdiff(self, argindex=1):
         return sigmoid(-self.args[0])
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def _eval_is_negative(self):
+        return self.args[0].is_real
 
 
 # The functions a spec may call. Anything else is an error at parse time.
@@ -96,6 +114,39 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
     if expr.has(sympy.I, sympy.zoo, sympy.nan, sympy.oo):
         raise FormulaSyntaxError(f"formula {text!r} is not a finite real expression")
     return expr
+
+
+def as_real(expr: sympy.Expr) -> sympy.Expr:
+    """`expr` with what lrdsl knows about its symbols: inputs are real, h a non-negative integer."""
+    known = {
+        s: sympy.Symbol(s.name, integer=True, nonnegative=True) if s == HEAD_INDEX else sympy.Symbol(s.name, real=True)
+        for s in expr.free_symbols
+    }
+    return expr.xreplace(known)
+
+
+def is_nonnegative(expr: sympy.Expr) -> bool:
+    """Whether `expr` is >= 0 for every value of its (real) inputs, as far as sympy can tell."""
+    return as_real(expr).is_nonnegative is True
+
+
+def integer_exponent(exponent: sympy.Expr) -> int | None:
+    """The exponent as an int when it is an integer (2 or 2.0), else None."""
+    if exponent.is_Integer:
+        return int(exponent)
+    if exponent.is_Float and float(exponent).is_integer():
+        return int(exponent)
+    return None
+
+
+def non_real_powers(expr: sympy.Expr) -> list[sympy.Pow]:
+    """The powers in `expr` with no real value for some real inputs: a non-integer exponent of a
+    base that may be negative (x**0.5, x**(1/3), x**y), or of a negative number."""
+    return [
+        p
+        for p in sorted(expr.atoms(sympy.Pow), key=sympy.default_sort_key)
+        if integer_exponent(p.exp) is None and not is_nonnegative(p.base)
+    ]
 
 
 def symbols_of(expr: sympy.Expr) -> frozenset[str]:
