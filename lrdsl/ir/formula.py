@@ -9,6 +9,7 @@ sympy with a closed vocabulary of functions so that the same expression can be
 from __future__ import annotations
 
 import sympy
+from sympy.core.evalf import prec_to_dps
 from sympy.core.function import AppliedUndef
 from sympy.parsing.sympy_parser import convert_xor, parse_expr, standard_transformations
 
@@ -18,6 +19,9 @@ class softplus(sympy.Function):
 
     def fdiff(self, argindex=1):
         return sigmoid(self.args[0])
+
+    def _eval_evalf(self, prec):  # numbers: softplus(1) folds to a constant like exp(1)
+        return _evalf(self, prec, lambda x: sympy.log(1 + sympy.exp(x)))
 
     def _eval_is_real(self):
         return self.args[0].is_real
@@ -33,6 +37,9 @@ class sigmoid(sympy.Function):
         s = sigmoid(self.args[0])
         return s * (1 - s)
 
+    def _eval_evalf(self, prec):
+        return _evalf(self, prec, lambda x: 1 / (1 + sympy.exp(-x)))
+
     def _eval_is_real(self):
         return self.args[0].is_real
 
@@ -46,11 +53,23 @@ class logsigmoid(sympy.Function):
     def fdiff(self, argindex=1):
         return sigmoid(-self.args[0])
 
+    def _eval_evalf(self, prec):
+        return _evalf(self, prec, lambda x: -sympy.log(1 + sympy.exp(-x)))
+
     def _eval_is_real(self):
         return self.args[0].is_real
 
     def _eval_is_negative(self):
         return self.args[0].is_real
+
+
+def _evalf(fn: sympy.Function, prec: int, elementary):
+    """evalf of one of the functions above: a number at a number (through its elementary form),
+    else the function of its argument's evalf (constants inside fold, the function stays)."""
+    (arg,) = fn.args
+    if arg.is_number:
+        return elementary(arg)._eval_evalf(prec)
+    return fn.func(arg.evalf(prec_to_dps(prec)))
 
 
 # The functions a spec may call. Anything else is an error at parse time.
@@ -153,6 +172,16 @@ def symbols_of(expr: sympy.Expr) -> frozenset[str]:
     return frozenset(str(s) for s in expr.free_symbols)
 
 
+def fold_constants(expr: sympy.Expr) -> sympy.Expr:
+    """Every constant subexpression as one float (20 digits): evalf alone leaves the constants
+    inside functions of symbols, log(x + tanh(2)), which torch functions cannot take."""
+    if expr.is_Atom:  # symbols and numbers (integer exponents stay integers)
+        return expr
+    if expr.is_number:
+        return sympy.Float(expr.evalf(20), 20)
+    return expr.func(*(fold_constants(arg) for arg in expr.args))
+
+
 def torch_function(expr: sympy.Expr):
     """(symbols, fn): `fn(*tensors)` evaluates `expr` with torch ops, float64 constants folded.
 
@@ -171,8 +200,7 @@ def torch_function(expr: sympy.Expr):
         "logsigmoid": F.logsigmoid,
     }
     symbols = sorted(expr.free_symbols, key=str)
-    folded = expr.evalf(20) if expr.free_symbols else sympy.Float(expr.evalf(20))
-    fn = sympy.lambdify(symbols, folded, modules=[functions, "math"])
+    fn = sympy.lambdify(symbols, fold_constants(expr), modules=[functions, "math"])
 
     def evaluate(*values):
         out = fn(*values)

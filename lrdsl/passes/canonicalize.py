@@ -80,10 +80,10 @@ def canonicalize(spec: Spec) -> Recurrence:
                 f"{powers[0]} raises a base that may be negative to a non-integer power, which has no real value "
                 "there; use a base that cannot be negative (e.g. exp(x), sigmoid(x), softplus(x), x**2 + c)",
             )
-    if log_decay is not None and as_real(log_decay.expr).is_positive:
+    if log_decay is not None and _never_negative(log_decay.expr):
         raise spec.error(
             "formulas.log_decay",
-            f"{log_decay.text!r} is positive for every input: the decay exp(g) would exceed 1 and grow the state "
+            f"{log_decay.text!r} is never negative (and not always 0): the decay exp(g) >= 1 would grow the state "
             "(the log-decay must be <= 0)",
         )
 
@@ -105,3 +105,8 @@ def canonicalize(spec: Spec) -> Recurrence:
         summary=spec.summary,
     )
 
+
+def _never_negative(expr) -> bool:
+    """Whether sympy can show `expr` >= 0 for every (real) input while not being 0 throughout."""
+    known = as_real(expr)
+    return known.is_nonnegative is True and known.is_zero is not True
