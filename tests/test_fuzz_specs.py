@@ -42,7 +42,7 @@ from oracle_checks import Call, assert_errors, oracle_errors
 from test_hygiene import generated_names
 
 LIMIT = TOLERANCE[torch.float32]
-VALID_EXAMPLES = 16  # per CI run; each compiles a module and runs 8-9 kernel configurations
+VALID_EXAMPLES = 24  # per CI run; each compiles a module and runs 8-9 kernel configurations
 INVALID_EXAMPLES = 120
 
 
@@ -251,21 +251,22 @@ def in_range(rec, tensors, HV: int) -> bool:
 
 @fuzz_settings(VALID_EXAMPLES)
 @given(spec=valid_specs(), case=cases())
-def test_valid_specs_match_the_oracle(spec, case, tmp_path, generator):
+def test_valid_specs_match_the_oracle(spec, case, tmp_path, generator, device):
     text = toml_text(spec.document())
     note(text)
     path = tmp_path / "fuzz.toml"
     path.write_text(text)
     rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
-    mod = lrdsl.load(path)
     # fresh inputs every run (the fixture's seed), the same ones when hypothesis replays an example
     data = torch.Generator().manual_seed(generator.initial_seed() ^ case.seed)
     call = case.call
     tensors = make_inputs(rec, call.shape, generator=data)
     assume(in_range(rec, tensors, call.shape.HV))
+    mod = lrdsl.load(path)
 
     def errors(kernel, gradients, **options):
-        return oracle_errors(rec, mod, call, data, kernel, gradients=gradients, tensors=tensors, **options)
+        return oracle_errors(rec, mod, call, data, kernel, gradients=gradients, tensors=tensors, device=device,
+                             **options)
 
     assert_errors(errors("recurrent", False), LIMIT, "recurrent")
     if not spec.chunked:

@@ -85,11 +85,11 @@ def generated_names() -> tuple[str, ...]:
     return tuple(sorted(n for n in names if re.fullmatch(r"[A-Za-z_]\w*", n) and reserved_input_name(n) is None))
 
 
-def write_spec(tmp_path, names: list[str], tag: str) -> str:
+def write_spec(tmp_path, names: list[str], tag: str, tokens_only=False) -> str:
     """A delta rule with a scalar gate whose inputs are `names`: token and per-head ones, read by
     the gate (first half) and beta (second half). Inputs alternate token / head, and the
     first one is a token input: a scalar gate needs one."""
-    roles = {name: "token" if i % 2 == 0 else "head" for i, name in enumerate(names)}
+    roles = {name: "token" if i % 2 == 0 or tokens_only else "head" for i, name in enumerate(names)}
     gate, beta = names[: (len(names) + 1) // 2], names[(len(names) + 1) // 2:] or names[:1]
     lines = [f'name = "{SPEC_NAME}"', "[recurrence]", 'update = "delta"', 'gate = "scalar"', "[inputs]"]
     lines += [f'{name} = "{role}"' for name, role in roles.items()]
@@ -108,20 +108,39 @@ def test_the_names_include_the_ones_that_collided():
     )
 
 
+# Finding 1 of issue 8: an input s, p or u corrupted the recurrent kernel (its state, prediction
+# and residual registers b_s, b_p, b_u); d_o, BT, bos, eos, NC, c and run broke the module; the
+# solve's b_a and b_x overwrote an input a or x.
+ISSUE_NAMES = ["s", "p", "u", "d_o", "BT", "bos", "eos", "NC", "c", "run", "a", "x"]
+
+
+def test_the_names_the_issue_found(tmp_path, generator, device):
+    path = write_spec(tmp_path, ["g"] + ISSUE_NAMES, "issue", tokens_only=True)
+    rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
+    mod = lrdsl.load(path)
+    call = Call(Shape(1, 20, 1, 2, 8, 8), h0=True, dht=True)
+    recurrent = oracle_errors(rec, mod, call, generator, "recurrent", gradients=False, device=device)
+    assert_errors(recurrent, LIMIT, "recurrent")
+    assert_errors(oracle_errors(rec, mod, call, generator, "chunk", chunk_size=16, device=device), LIMIT, "chunk")
+
+
 @pytest.mark.parametrize("batch", range(BATCHES))
-def test_inputs_named_like_generated_code(batch, tmp_path, generator):
+def test_inputs_named_like_generated_code(batch, tmp_path, generator, device):
     names = list(generated_names()[batch::BATCHES])
     path = write_spec(tmp_path, names, str(batch))
     rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
     mod = lrdsl.load(path)
     call = Call(Shape(1, 17, 1, 1, 8, 8), h0=True, dht=True)  # two chunks of 16
-    assert_errors(oracle_errors(rec, mod, call, generator, "recurrent", gradients=False), LIMIT, f"recurrent {names}")
-    errors = oracle_errors(rec, mod, call, generator, "chunk", chunk_size=16)
+    recurrent = oracle_errors(rec, mod, call, generator, "recurrent", gradients=False, device=device)
+    assert_errors(recurrent, LIMIT, f"recurrent {names}")
+    errors = oracle_errors(rec, mod, call, generator, "chunk", chunk_size=16, device=device)
     assert_errors(errors, LIMIT, f"chunk {names}")
 
 
-def test_user_prefixes_are_only_for_inputs():
-    """In every shipped spec's module, names with the prefixes inputs become are inputs' names."""
+def test_namespaces_hold_only_their_names():
+    """In every shipped spec's module, names with the prefixes inputs become are inputs' names, and
+    in the chunk kernels the b_, buf_ and saved_ names are chunk-program values': the templates and
+    emitters define none of their own there."""
     for spec in ALL_SPECS:
         source, stages = generate(spec_path(spec))
         inputs = {i.name for i in stages["recurrence"].inputs}
@@ -131,6 +150,14 @@ def test_user_prefixes_are_only_for_inputs():
                     assert name[len(prefix):] in inputs or any(
                         name == p + "in_" + i for p in ("b_", "p_", "d_") for i in inputs
                     ), f"{spec}: {name} uses the prefix {prefix!r} of input names"
+        if isinstance(stages["chunk"], NoChunkForm):
+            continue
+        values = {op.out for key in ("chunk", "backward") for op in stages[key].ops}
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef) and re.search(r"_chunk\w*_kernel$", node.name):
+                for name in code_names(ast.unparse(node)):
+                    prefix = re.match(r"(b|buf|saved)_", name)
+                    assert not prefix or name[prefix.end():] in values, f"{spec}: {name} in {node.name} is no value's"
 
 
 def test_keyword_options_are_refused_at_spec_time(tmp_path):

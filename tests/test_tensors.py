@@ -88,6 +88,10 @@ def test_chunk_indices_of_another_chunk_size_are_refused(generator, device):
     _, mod, tensors, cu_seqlens = _varlen(generator, device)
     message = _chunk_error(mod, tensors, cu_seqlens=cu_seqlens, chunk_size=16, chunk_indices=mod.prepare_varlen(cu_seqlens, 64))
     assert "prepared for chunk_size=64 but the call has chunk_size=16" in message
+    # the call: the bare indices tensor, which carries no chunk size, is refused too
+    message = _chunk_error(mod, tensors, cu_seqlens=cu_seqlens, chunk_size=16,
+                           chunk_indices=mod.prepare_varlen(cu_seqlens, 64).indices)
+    assert "chunk_indices must be what prepare_varlen(cu_seqlens, chunk_size) returns" in message
 
 
 def test_chunk_indices_checks(generator, device):
