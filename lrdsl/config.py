@@ -3,6 +3,8 @@
 LRDSL_CACHE_DIR   where compiled modules are cached (default: $XDG_CACHE_HOME/lrdsl or ~/.cache/lrdsl)
 LRDSL_DUMP        a directory: every generated module is also written there, named by spec and key
 TRITON_INTERPRET  Triton's own switch; lrdsl turns it on when there is no GPU so kernels run on the CPU
+LRDSL_FUZZ_EXAMPLES  examples per test of the spec fuzzer (tests/test_fuzz_specs.py), drawn afresh each
+                  run; unset: the bounded, fixed-seed run of CI
 """
 from __future__ import annotations
 
@@ -46,3 +48,9 @@ def use_interpreter_without_gpu() -> bool:
         raise LrdslError("no GPU, and triton was imported before TRITON_INTERPRET=1 was set: set it first")
     os.environ["TRITON_INTERPRET"] = "1"
     return True
+
+
+def fuzz_examples() -> int | None:
+    """LRDSL_FUZZ_EXAMPLES as a number of examples, or None (the CI run)."""
+    value = os.environ.get("LRDSL_FUZZ_EXAMPLES", "").strip()
+    return int(value) if value else None

@@ -6,12 +6,12 @@ the strict recurrence IR and checks that the combination makes sense. Every prob
 """
 from __future__ import annotations
 
-import keyword
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .codegen.names import reserved_input_name
 from .errors import SpecError
 from .ir.formula import FormulaSyntaxError, parse_formula
 from .ir.recurrence import GateKind, InputRole, UpdateRule
@@ -19,13 +19,6 @@ from .ir.recurrence import GateKind, InputRole, UpdateRule
 TOP_LEVEL_KEYS = ("name", "summary", "recurrence", "inputs", "formulas")
 RECURRENCE_KEYS = ("update", "gate")
 FORMULA_KEYS = ("log_decay", "beta")
-
-# Names the generated code uses itself; an input may not take them.
-RESERVED_INPUT_NAMES = frozenset(
-    "q k v o h h0 ht dht dh0 scale T B H HV K V N C cu_seqlens chunk_indices chunk_offsets "
-    "g_t beta_t initial_state output_final_state use_qk_l2norm_in_kernel chunk_size plan "
-    "tl triton torch".split()
-)
 
 # Spellings users reach for, mapped to the canonical values.
 GATE_ALIASES = {
@@ -126,10 +119,11 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     inputs = []
     for name_, role_text in inputs_table.items():
         key = f"inputs.{name_}"
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name_) or keyword.iskeyword(name_):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name_):
             raise fail(key, "an input name must be a Python identifier")
-        if name_ in RESERVED_INPUT_NAMES or name_.startswith(("b_", "p_", "m_", "o_", "i_")):
-            raise fail(key, f"the name {name_!r} is reserved by lrdsl; choose another")
+        reserved = reserved_input_name(name_)
+        if reserved is not None:
+            raise fail(key, f"the name {name_!r} is reserved ({reserved}); choose another")
         if not isinstance(role_text, str):
             raise fail(key, f"expected a role string ({_expected(ROLE_ALIASES)}), got {_type_name(role_text)}")
         role = ROLE_ALIASES.get(_normal(role_text))

@@ -131,8 +131,8 @@ def test_precomputed_chunk_indices_skip_preparation(generator, device, monkeypat
     rec, mod = recurrence("gdn"), module("gdn")
     tensors = sample(rec, Shape(1, 40, 1, 2, 16, 16), torch.float32, generator)
     cu = torch.tensor([0, 17, 17, 40], dtype=torch.int32, device=device)
-    indices, offsets = mod.prepare_varlen(cu, 16)
-    assert indices.tolist() == [[0, 0], [0, 1], [2, 0], [2, 1]] and offsets.tolist() == [0, 2, 2, 4]
+    chunks = mod.prepare_varlen(cu, 16)
+    assert chunks.indices.tolist() == [[0, 0], [0, 1], [2, 0], [2, 1]] and chunks.offsets.tolist() == [0, 2, 2, 4]
     expected = _call(mod, "chunk", tensors, device, cu_seqlens=cu, chunk_size=16, output_final_state=True)
 
     def refuse(*args, **kwargs):
@@ -140,7 +140,7 @@ def test_precomputed_chunk_indices_skip_preparation(generator, device, monkeypat
 
     monkeypatch.setattr(mod, "prepare_varlen", refuse)
     got = _call(mod, "chunk", tensors, device, cu_seqlens=cu, chunk_size=16, output_final_state=True,
-                chunk_indices=indices)
+                chunk_indices=chunks)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -176,6 +176,7 @@ def test_chunk_bad_arguments(generator):
     assert "beta must be [B, T, HV] = [1, 8, 4], got [1, 8]" in _error(mod, q, k, v, g, beta[..., 0])
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     bad_indices = torch.zeros(3, 2, dtype=torch.int64)
-    assert "chunk_indices must be the int32 [NC, 2] tensor" in _error(mod, q, k, v, g, beta, cu_seqlens=cu, chunk_indices=bad_indices)
+    assert "chunk_indices must be what prepare_varlen(cu_seqlens, chunk_size) returns, got a torch.int64 tensor [3, 2]" in _error(
+        mod, q, k, v, g, beta, cu_seqlens=cu, chunk_indices=bad_indices)
     q2, k2, v2, g2, b2 = sample(rec, Shape(2, 8, 2, 4, 8, 8), torch.float32, generator)
     assert "with cu_seqlens the batch must be 1" in _error(mod, q2, k2, v2, g2, b2, cu_seqlens=cu)

@@ -34,12 +34,12 @@ from ..ir.chunk import (
     ReduceSum,
     StateIn,
     UnitLowerInverse,
-    result_param,
 )
 from ..ir.formula import HEAD_INDEX
 from ..ir.plan import BackwardPlan, Kernel, Plan
 from ..ir.recurrence import InputRole
 from ..registry import TypeRegistry
+from .names import CHUNK_OPTIONS, forward_options, gradient_pointer, input_pointer, signature
 from .printer import to_triton
 from .schedule import eager_sums, first_reader_segment, has_v, is_loadable, place_values
 from .templating import indent, render
@@ -61,6 +61,16 @@ def buffer_param(value: str) -> str:
 def saved_param(source: str) -> str:
     """The parameter of a forward buffer the backward reads (`saved:H` -> saved_H)."""
     return "saved_" + source[len(SAVED):]
+
+
+def result_param(role: str) -> str:
+    """The kernel parameter (and launcher local) a result role is written to: o, d_q, d_in_beta, ..."""
+    return "o" if role == "o" else gradient_pointer(role.split(":", 1)[1])
+
+
+# The pointer of the output's gradient (the backward's cotangent): a fixed name outside the
+# input namespaces (lrdsl.codegen.names).
+COTANGENT_POINTER = "d_o"
 
 
 @dataclass
@@ -155,16 +165,16 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
         return [load_line(target, op.source, offsets, mask, ctx.load_dtype(op.out))]
     if op.source in ("v", COTANGENT):
         offsets, mask = tile_address(op.shape, "HV", "i_hv", "V")
-        return [load_line(target, "v" if op.source == "v" else "d_o", offsets, mask, ctx.load_dtype(op.out))]
+        return [load_line(target, "v" if op.source == "v" else COTANGENT_POINTER, offsets, mask, ctx.load_dtype(op.out))]
     if op.source.startswith(SAVED):
         offsets, mask = buffer_address(op.shape)
         return [load_line(target, saved_param(op.source), offsets, mask, ctx.load_dtype(op.out))]
     role = ctx.prog.recurrence.input(op.source).role
     if role is InputRole.HEAD:
-        return [load_line(target, op.source, "i_hv", "")]
+        return [load_line(target, input_pointer(op.source), "i_hv", "")]
     if role is InputRole.TOKEN:
         offsets, mask = tile_address(op.shape, "HV", "i_hv", "")
-        return [load_line(target, op.source, offsets, mask)]
+        return [load_line(target, input_pointer(op.source), offsets, mask)]
     raise CompileError(f"{ctx.prog.recurrence.name}: chunk kernels take no {role.value} inputs yet ({op.source})")
 
 
@@ -272,12 +282,14 @@ def _place_last_row(op: PlaceLastRow, ctx: KernelContext) -> list[str]:
 @CHUNK_EMITTERS.register(NormalizeGrad)
 def _normalize_grad(op: NormalizeGrad, ctx: KernelContext) -> list[str]:
     x, dy, dx = var(op.x), var(op.dy), var(op.out)
+    # temporaries outside the b_ namespace of values: 1 / the row norms, the normalised rows
+    r, y = f"inv_norm_{op.out}", f"unit_{op.out}"
     return [
         f"{dx} = {dy}",
         "if USE_QK_L2NORM:",
-        f"    {dx}_r = 1.0 / tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)",
-        f"    {dx}_y = {x} * {dx}_r[:, None]",
-        f"    {dx} = {dx}_r[:, None] * ({dy} - {dx}_y * tl.sum({dx}_y * {dy}, axis=1)[:, None])",
+        f"    {r} = 1.0 / tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)",
+        f"    {y} = {x} * {r}[:, None]",
+        f"    {dx} = {r}[:, None] * ({dy} - {y} * tl.sum({y} * {dy}, axis=1)[:, None])",
     ]
 
 
@@ -300,8 +312,7 @@ def kernel_inputs(ctx: KernelContext) -> list[str]:
     """The call inputs a kernel reads: q, k, v, d_o, then the spec's inputs, in positional order."""
     sources = {ctx.prog.op(v).source for v in ctx.kernel.computes if isinstance(ctx.prog.op(v), Load)}
     order = ["q", "k", "v", COTANGENT] + [i.name for i in ctx.prog.recurrence.inputs]
-    names = {COTANGENT: "d_o"}
-    return [names.get(n, n) for n in order if n in sources]
+    return [COTANGENT_POINTER if n == COTANGENT else input_pointer(n) for n in order if n in sources]
 
 
 def kernel_saved(ctx: KernelContext) -> list[str]:
@@ -369,7 +380,7 @@ def is_key_head_result(role: str) -> bool:
 
 
 def group_sum_var(role: str) -> str:
-    return f"b_{result_param(role)}_group_sum"
+    return f"group_sum_{result_param(role)}"  # outside the b_ namespace of values
 
 
 def key_head_results(ctx: KernelContext) -> list[tuple[str, str]]:
@@ -388,7 +399,7 @@ def wrap_in_group_loop(ctx: KernelContext, body: list[str]) -> list[str]:
     ]
     for role, value in results:
         offsets, mask = tile_address(ctx.shape(value), "H", "i_h", "K")
-        lines.append("    " + store_line(result_param(role), offsets, mask, group_sum_var(role)))
+        lines += ["    " + line for line in guarded_store(result_param(role), offsets, mask, group_sum_var(role))]
     return lines
 
 
@@ -399,7 +410,14 @@ def emit_result_store(role: str, value: str, ctx: KernelContext) -> list[str]:
     else:
         width = {("C", "K"): "K", ("C", "V"): "V", ("C",): ""}[shape]
         offsets, mask = tile_address(shape, "HV", "i_hv", width)
-    return [store_line(result_param(role), offsets, mask, var(value))]
+    return guarded_store(result_param(role), offsets, mask, var(value))
+
+
+def guarded_store(pointer: str, offsets: str, mask: str, value: str) -> list[str]:
+    """A result's store, skipped when the caller passes None for it (a gradient autograd does not
+    ask for): the test is resolved at compile time, and the work only that store needed goes
+    with it."""
+    return [f"if {pointer} is not None:", "    " + store_line(pointer, offsets, mask, value)]
 
 
 def emit_scan_body(ctx: KernelContext) -> list[str]:
@@ -545,7 +563,7 @@ BUFFER_SHAPES = {
 
 
 def _unpack_extras(prog: ChunkProgram) -> str:
-    names = [i.name for i in prog.recurrence.inputs]
+    names = [input_pointer(i.name) for i in prog.recurrence.inputs]
     if not names:
         return "# no inputs besides q, k, v"
     return f"{', '.join(names)}{',' if len(names) == 1 else ''} = c[\"extras\"]"
@@ -563,6 +581,8 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 function=kernel_function_name(prog, kernel),
                 grid="key_head_grid" if key_head_results(ctx) else "chunk_grid",
                 args=", ".join(kernel_params(ctx)),
+                # a kernel that stores no buffer is needed only for the results it writes
+                results=[] if kernel.stores else [result_param(role) for role, _ in kernel_results(ctx)],
             )
         )
     return calls
@@ -575,6 +595,7 @@ def _buffers(plan: Plan) -> list[dict]:
             param=buffer_param(b.value),
             shape=BUFFER_SHAPES[b.shape],
             dtype="acc_dtype" if b.dtype == "fp32" else "c[\"io_dtype\"]",
+            users=tuple(k.name for k in plan.kernels if b.value in k.loads or b.value in k.stores),
         )
         for b in plan.buffers
     ]
@@ -609,7 +630,8 @@ def _backward_launcher(item: BackwardPlan) -> str:
             dict(
                 param=result_param(role),
                 shape="(B, T, H, K)" if is_key_head_result(role) else RESULT_SHAPES[shape],
-                input=name,
+                input=input_pointer(name),
+                index=inputs.index(name),
                 per_chunk=shape == (),
             )
         )
@@ -625,7 +647,7 @@ def _backward_launcher(item: BackwardPlan) -> str:
     ).rstrip("\n")
 
 
-def emit_chunk_section(item: BackwardPlan, positional: str, extras: str) -> str:
+def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
     plans = item.forward
     prog = plans.graph.program
     kernels: dict[str, str] = {}
@@ -656,7 +678,8 @@ def emit_chunk_section(item: BackwardPlan, positional: str, extras: str) -> str:
         save_policies=repr(save_policies),
         default_policy=item.default_policy,
         spec_name=prog.recurrence.name,
-        positional=positional,
-        extras=extras,
+        positional=", ".join(positional),
+        signature=signature(positional, CHUNK_OPTIONS),
+        forward_options=forward_options(CHUNK_OPTIONS),
         first_kernel=first,
     )

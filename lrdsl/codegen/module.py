@@ -10,6 +10,7 @@ from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence
 from ..ir.step import StepProgram
 from .chunk import emit_chunk_section
+from .names import CHUNK_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, forward_options, signature
 from .printer import HELPERS
 from .recurrent import emit_recurrent_kernel, kernel_name
 from .templating import render
@@ -19,13 +20,9 @@ RECURRENT_BLOCK_V = 32
 RECURRENT_NUM_WARPS = 4
 
 
-def _positional(rec: Recurrence) -> str:
-    return ", ".join(["q", "k", "v"] + [i.name for i in rec.inputs])
-
-
-def _extras_tuple(rec: Recurrence) -> str:
-    names = [i.name for i in rec.inputs]
-    return ", ".join(names) + ("," if len(names) == 1 else "")
+def _positional(rec: Recurrence) -> list[str]:
+    """The public functions' positional parameters: q, k, v, then the spec's inputs by their names."""
+    return list(POSITIONAL) + [i.name for i in rec.inputs]
 
 
 def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> str:
@@ -37,8 +34,9 @@ def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> st
         kernel=emit_recurrent_kernel(step),
         kernel_name=kernel_name(step),
         spec_name=rec.name,
-        positional=_positional(rec),
-        extras=_extras_tuple(rec),
+        positional=", ".join(_positional(rec)),
+        signature=signature(_positional(rec), RECURRENT_OPTIONS),
+        forward_options=forward_options(RECURRENT_OPTIONS),
         block_v=RECURRENT_BLOCK_V,
         num_warps=RECURRENT_NUM_WARPS,
     )
@@ -46,21 +44,17 @@ def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> st
 
 def emit_module(stages: dict, spec_path: str) -> str:
     rec: Recurrence = stages["recurrence"]
-    signature_tail = "scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False"
-    signatures = [f"recurrent({_positional(rec)}, {signature_tail}) -> (o, final_state | None)"]
+    signatures = [f"recurrent({signature(_positional(rec), RECURRENT_OPTIONS)}) -> (o, final_state | None)"]
     if not isinstance(stages["save"], NoChunkForm):
         signatures[0] += "   [differentiable]"
     plans = stages["save"]
     sections = [emit_recurrent_section(stages["step"], plans.reason if isinstance(plans, NoChunkForm) else None)]
     if isinstance(plans, NoChunkForm):
-        signatures.append(f"chunk: not generated ({plans.reason})")
+        signatures.append(f"chunk: not generated ({plans.reason}); mod.chunk raises an AttributeError that says so")
     else:
-        signatures.append(
-            f"chunk({_positional(rec)}, {signature_tail}, chunk_size=64, plan=None, chunk_indices=None,"
-            " save_policy=None) -> (o, final_state | None)   [differentiable]"
-        )
-        signatures.append("prepare_varlen(cu_seqlens, chunk_size=64) -> (chunk_indices, chunk_offsets)")
-        sections.append(emit_chunk_section(plans, _positional(rec), _extras_tuple(rec)))
+        signatures.append(f"chunk({signature(_positional(rec), CHUNK_OPTIONS)}) -> (o, final_state | None)   [differentiable]")
+        signatures.append("prepare_varlen(cu_seqlens, chunk_size=64) -> VarlenChunks, for chunk(..., chunk_indices=)")
+        sections.append(emit_chunk_section(plans, _positional(rec)))
     inputs_tuple = "(" + "".join(f"({i.name!r}, {i.role.value!r}), " for i in rec.inputs) + ")"
     return render(
         "module.py.jinja",

@@ -2,7 +2,9 @@
 
 Numbers print as float literals (so integer-looking constants never turn into integer arithmetic),
 2**x prints as tl.exp2(x), and the activation functions print as the overflow-safe helpers that
-every generated module defines (see HELPERS).
+every generated module defines (see HELPERS). Integer powers (2.0 counts as one) print as products,
+exact for any base; other powers need a base that cannot be negative (the canonicalize pass
+refuses the rest) and print as exp2(y * log2(x)).
 """
 from __future__ import annotations
 
@@ -10,7 +12,11 @@ import sympy
 from sympy.printing.precedence import PRECEDENCE
 from sympy.printing.str import StrPrinter
 
-from ..ir.formula import logsigmoid, sigmoid, softplus
+from ..errors import CompileError
+from ..ir.formula import integer_exponent, is_nonnegative, logsigmoid, sigmoid, softplus
+
+# x**n with |n| up to this prints as n factors; larger powers by repeated squaring
+SHORT_POWER = 4
 
 # Triton helpers the printed code may call; the module emitter writes them into every module.
 HELPERS = '''\
@@ -24,6 +30,12 @@ def softplus(x):
 def logsigmoid(x):
     """log(sigmoid(x)) = min(x, 0) - log(1 + exp(-|x|))."""
     return tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def square(x):
+    """x * x: integer powers print as products of repeated squares, e.g. x**5 = square(square(x)) * x."""
+    return x * x
 '''
 
 
@@ -91,22 +103,34 @@ class TritonPrinter(StrPrinter):
 
     def _print_Pow(self, expr, rational=False):
         base, exponent = expr.args
+        n = integer_exponent(exponent)
+        if n is not None:
+            return self._integer_power(base, n)
         if base == 2:
             return f"tl.exp2({self._print(exponent)})"
+        if not is_nonnegative(base):
+            raise CompileError(f"{expr}: a non-integer power of a base that may be negative has no real value")
         if exponent == sympy.Rational(1, 2):
             return f"tl.sqrt({self._print(base)})"
         if exponent == -sympy.Rational(1, 2):
             return f"(1.0 / tl.sqrt({self._print(base)}))"
-        if exponent == -1:
-            return f"(1.0 / {self.parenthesize(base, PRECEDENCE['Pow'])})"
-        if exponent.is_Integer and 2 <= int(exponent) <= 4:
-            factor = self.parenthesize(base, PRECEDENCE["Mul"])
-            return "(" + " * ".join([factor] * int(exponent)) + ")"
-        if exponent.is_Integer and -4 <= int(exponent) <= -2:
-            factor = self.parenthesize(base, PRECEDENCE["Mul"])
-            return "(1.0 / (" + " * ".join([factor] * -int(exponent)) + "))"
-        # general power of a positive base
         return f"tl.exp2({self.parenthesize(exponent, PRECEDENCE['Mul'])} * tl.log2({self._print(base)}))"
+
+    def _integer_power(self, base, n: int) -> str:
+        """base**n by multiplication (exact for negative bases, unlike exp2(n log2 x)); 1 / that for n < 0."""
+        if n == 0:
+            return "1.0"
+        factor = self.parenthesize(base, PRECEDENCE["Mul"])
+        if abs(n) <= SHORT_POWER:
+            product = " * ".join([factor] * abs(n))
+        else:
+            # x**n = product of x**(2**i) over the bits i of n, each a chain of squares
+            squares = []
+            for bit in range(abs(n).bit_length()):
+                if abs(n) >> bit & 1:
+                    squares.append(factor if bit == 0 else "square(" * bit + self._print(base) + ")" * bit)
+            product = " * ".join(squares)
+        return f"({product})" if n > 0 else f"(1.0 / ({product}))"
 
 
 def to_triton(expr: sympy.Expr, names: dict[str, str]) -> str:

@@ -26,6 +26,7 @@ from ..ir.step import (
     WriteState,
 )
 from ..registry import TypeRegistry
+from .names import input_pointer
 from .printer import to_triton
 from .templating import indent, render
 
@@ -39,8 +40,13 @@ class Emission:
     advance: list[str] = field(default_factory=list)
 
 
+def input_register(name: str) -> str:
+    """The register of a spec input: b_in_<name>, apart from the kernel's own b_q, b_s, b_p, ..."""
+    return "b_" + input_pointer(name)
+
+
 def formula_names(prog: StepProgram) -> dict[str, str]:
-    names = {i.name: f"b_{i.name}" for i in prog.recurrence.inputs}
+    names = {i.name: input_register(i.name) for i in prog.recurrence.inputs}
     names["h"] = "f_hv"
     return names
 
@@ -61,20 +67,21 @@ def _load_vector(op: LoadVector, prog: StepProgram) -> Emission:
 
 @STEP_EMITTERS.register(LoadInput)
 def _load_input(op: LoadInput, prog: StepProgram) -> Emission:
-    name, p = op.name, f"p_{op.name}"
+    pointer, register = input_pointer(op.name), input_register(op.name)
+    p = f"p_{pointer}"
     if op.role is InputRole.HEAD:
-        return Emission([f"b_{name} = tl.load({name} + i_hv).to(ACC)"])
+        return Emission([f"{register} = tl.load({pointer} + i_hv).to(ACC)"])
     if op.role is InputRole.HEAD_KEY:
-        return Emission([f"b_{name} = tl.load({name} + i_hv * K + o_k, mask=m_k, other=0.0).to(ACC)"])
+        return Emission([f"{register} = tl.load({pointer} + i_hv * K + o_k, mask=m_k, other=0.0).to(ACC)"])
     if op.role is InputRole.TOKEN:
         return Emission(
-            setup=[f"{p} = {name} + bos * HV + i_hv"],
-            lines=[f"b_{name} = tl.load({p}).to(ACC)"],
+            setup=[f"{p} = {pointer} + bos * HV + i_hv"],
+            lines=[f"{register} = tl.load({p}).to(ACC)"],
             advance=[f"{p} += HV"],
         )
     return Emission(
-        setup=[f"{p} = {name} + (bos * HV + i_hv) * K + o_k"],
-        lines=[f"b_{name} = tl.load({p}, mask=m_k, other=0.0).to(ACC)"],
+        setup=[f"{p} = {pointer} + (bos * HV + i_hv) * K + o_k"],
+        lines=[f"{register} = tl.load({p}, mask=m_k, other=0.0).to(ACC)"],
         advance=[f"{p} += HV * K"],
     )
 
@@ -164,7 +171,7 @@ def emit_recurrent_kernel(prog: StepProgram) -> str:
         "recurrent.py.jinja",
         kernel_name=kernel_name(prog),
         spec_name=prog.recurrence.name,
-        input_names=[i.name for i in prog.recurrence.inputs],
+        input_pointers=[input_pointer(i.name) for i in prog.recurrence.inputs],
         setup=indent(["# pointers to the first token of this sequence, per-head inputs"] + setup, 4),
         body=indent(body, 8),
         advance=indent(["# next token"] + advance, 8),

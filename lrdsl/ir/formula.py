@@ -9,30 +9,67 @@ sympy with a closed vocabulary of functions so that the same expression can be
 from __future__ import annotations
 
 import sympy
+from sympy.core.evalf import prec_to_dps
 from sympy.core.function import AppliedUndef
 from sympy.parsing.sympy_parser import convert_xor, parse_expr, standard_transformations
 
 
 class softplus(sympy.Function):
-    """log(1 + exp(x)), printed in an overflow-safe form."""
+    """log(1 + exp(x)), printed in an overflow-safe form. Positive for real x."""
 
     def fdiff(self, argindex=1):
         return sigmoid(self.args[0])
 
+    def _eval_evalf(self, prec):  # numbers: softplus(1) folds to a constant like exp(1)
+        return _evalf(self, prec, lambda x: sympy.log(1 + sympy.exp(x)))
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def _eval_is_positive(self):
+        return self.args[0].is_real
+
 
 class sigmoid(sympy.Function):
-    """1 / (1 + exp(-x))."""
+    """1 / (1 + exp(-x)). Positive for real x."""
 
     def fdiff(self, argindex=1):
         s = sigmoid(self.args[0])
         return s * (1 - s)
 
+    def _eval_evalf(self, prec):
+        return _evalf(self, prec, lambda x: 1 / (1 + sympy.exp(-x)))
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def _eval_is_positive(self):
+        return self.args[0].is_real
+
 
 class logsigmoid(sympy.Function):
-    """log(sigmoid(x)) = -softplus(-x)."""
+    """log(sigmoid(x)) = -softplus(-x). Negative for real x."""
 
     def fdiff(self, argindex=1):
         return sigmoid(-self.args[0])
+
+    def _eval_evalf(self, prec):
+        return _evalf(self, prec, lambda x: -sympy.log(1 + sympy.exp(-x)))
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def _eval_is_negative(self):
+        return self.args[0].is_real
+
+
+def _evalf(fn: sympy.Function, prec: int, elementary):
+    """evalf of one of the functions above: a number at a number (through its elementary form),
+    else the function of its argument's evalf (constants inside fold, the function stays)."""
+    (arg,) = fn.args
+    if arg.is_number:
+        return elementary(arg)._eval_evalf(prec)
+    return fn.func(arg.evalf(prec_to_dps(prec)))
 
 
 # The functions a spec may call. Anything else is an error at parse time.
@@ -98,8 +135,51 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
     return expr
 
 
+def as_real(expr: sympy.Expr) -> sympy.Expr:
+    """`expr` with what lrdsl knows about its symbols: inputs are real, h a non-negative integer."""
+    known = {
+        s: sympy.Symbol(s.name, integer=True, nonnegative=True) if s == HEAD_INDEX else sympy.Symbol(s.name, real=True)
+        for s in expr.free_symbols
+    }
+    return expr.xreplace(known)
+
+
+def is_nonnegative(expr: sympy.Expr) -> bool:
+    """Whether `expr` is >= 0 for every value of its (real) inputs, as far as sympy can tell."""
+    return as_real(expr).is_nonnegative is True
+
+
+def integer_exponent(exponent: sympy.Expr) -> int | None:
+    """The exponent as an int when it is an integer (2 or 2.0), else None."""
+    if exponent.is_Integer:
+        return int(exponent)
+    if exponent.is_Float and float(exponent).is_integer():
+        return int(exponent)
+    return None
+
+
+def non_real_powers(expr: sympy.Expr) -> list[sympy.Pow]:
+    """The powers in `expr` with no real value for some real inputs: a non-integer exponent of a
+    base that may be negative (x**0.5, x**(1/3), x**y), or of a negative number."""
+    return [
+        p
+        for p in sorted(expr.atoms(sympy.Pow), key=sympy.default_sort_key)
+        if integer_exponent(p.exp) is None and not is_nonnegative(p.base)
+    ]
+
+
 def symbols_of(expr: sympy.Expr) -> frozenset[str]:
     return frozenset(str(s) for s in expr.free_symbols)
+
+
+def fold_constants(expr: sympy.Expr) -> sympy.Expr:
+    """Every constant subexpression as one float (20 digits): evalf alone leaves the constants
+    inside functions of symbols, log(x + tanh(2)), which torch functions cannot take."""
+    if expr.is_Atom:  # symbols and numbers (integer exponents stay integers)
+        return expr
+    if expr.is_number:
+        return sympy.Float(expr.evalf(20), 20)
+    return expr.func(*(fold_constants(arg) for arg in expr.args))
 
 
 def torch_function(expr: sympy.Expr):
@@ -120,8 +200,7 @@ def torch_function(expr: sympy.Expr):
         "logsigmoid": F.logsigmoid,
     }
     symbols = sorted(expr.free_symbols, key=str)
-    folded = expr.evalf(20) if expr.free_symbols else sympy.Float(expr.evalf(20))
-    fn = sympy.lambdify(symbols, folded, modules=[functions, "math"])
+    fn = sympy.lambdify(symbols, fold_constants(expr), modules=[functions, "math"])
 
     def evaluate(*values):
         out = fn(*values)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sympy
 
-from ..ir.formula import HEAD_INDEX
+from ..ir.formula import HEAD_INDEX, as_real, non_real_powers
 from ..ir.recurrence import GateKind, Input, Recurrence, UpdateRule
 from ..spec import Spec
 
@@ -70,6 +70,23 @@ def canonicalize(spec: Spec) -> Recurrence:
         if HEAD_INDEX in beta.expr.free_symbols:
             raise spec.error("formulas.beta", "the head index h may only appear in a constant gate's formula")
 
+    for formula in (log_decay, beta):
+        if formula is None:
+            continue
+        powers = non_real_powers(formula.expr)
+        if powers:
+            raise spec.error(
+                f"formulas.{formula.key}",
+                f"{powers[0]} raises a base that may be negative to a non-integer power, which has no real value "
+                "there; use a base that cannot be negative (e.g. exp(x), sigmoid(x), softplus(x), x**2 + c)",
+            )
+    if log_decay is not None and _never_negative(log_decay.expr):
+        raise spec.error(
+            "formulas.log_decay",
+            f"{log_decay.text!r} is never negative (and not always 0): the decay exp(g) >= 1 would grow the state "
+            "(the log-decay must be <= 0)",
+        )
+
     used = set()
     for formula in (log_decay, beta):
         if formula is not None:
@@ -88,3 +105,8 @@ def canonicalize(spec: Spec) -> Recurrence:
         summary=spec.summary,
     )
 
+
+def _never_negative(expr) -> bool:
+    """Whether sympy can show `expr` >= 0 for every (real) input while not being 0 throughout."""
+    known = as_real(expr)
+    return known.is_nonnegative is True and known.is_zero is not True

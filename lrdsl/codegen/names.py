@@ -1,0 +1,82 @@
+"""How a spec's names reach generated code, and which names a spec may not take.
+
+A spec names its inputs freely, so generated code keeps them in namespaces of their own rather
+than beside its own names:
+
+- an input `x` is the pointer (kernel parameter, launcher local) `in_x`, its register in the
+  recurrent kernel `b_in_x` and its gradient `d_in_x`; no name the templates define starts with
+  `in_`, `b_in_` or `d_in_`;
+- a chunk-program value `x` (inputs keep their names there, the passes give the others fresh
+  ones) is the register `b_x`, its buffer `buf_x`, a saved forward buffer `saved_x`; no name the
+  templates or emitters define starts with `b_`, `buf_` or `saved_` in the chunk kernels;
+- the public functions take the inputs under the spec's names as parameters and hand them at
+  once, as one tuple, to a private function: their bodies read no other name, so a parameter
+  can shadow nothing. The module's own names all start with `_` except the public ones.
+
+What a spec cannot take, then, is exactly: q, k, v (the positional tensors before the inputs),
+the keyword options of the public functions, `h` (the head index in formulas), the functions of
+the formula language, Python keywords, and names starting with `_` (the module's private ones).
+`reserved_input_name` derives that from the lists below, which the templates render.
+"""
+from __future__ import annotations
+
+import keyword
+
+from ..ir.formula import FUNCTIONS, RESERVED
+
+INPUT_PREFIX = "in_"
+POSITIONAL = ("q", "k", "v")
+
+# The keyword options of the public functions (name, default as source text), in order.
+RECURRENT_OPTIONS = (
+    ("scale", "None"),
+    ("initial_state", "None"),
+    ("output_final_state", "False"),
+    ("cu_seqlens", "None"),
+    ("use_qk_l2norm_in_kernel", "False"),
+)
+CHUNK_OPTIONS = RECURRENT_OPTIONS + (
+    ("chunk_size", "None"),  # 64, or 32 with precision="tf32" (LARGEST_CHUNK_SIZE)
+    ("plan", "None"),
+    ("chunk_indices", "None"),
+    ("save_policy", "None"),
+    ("precision", '"input"'),
+)
+
+
+def input_pointer(name: str) -> str:
+    """The pointer (kernel parameter, launcher local) of spec input `name`; q, k, v keep theirs."""
+    return name if name in POSITIONAL else INPUT_PREFIX + name
+
+
+def gradient_pointer(name: str) -> str:
+    """Where the gradient of q, k, v or a spec input is written: d_q, d_k, d_v, d_in_<name>."""
+    return "d_" + input_pointer(name)
+
+
+def signature(positional: list[str], options) -> str:
+    """`q, k, v, g, beta, scale=None, ...`: a public function's parameters."""
+    return ", ".join(list(positional) + [f"{name}={default}" for name, default in options])
+
+
+def forward_options(options) -> str:
+    """`scale=scale, ...`: the options passed on by keyword."""
+    return ", ".join(f"{name}={name}" for name, _ in options)
+
+
+def reserved_input_name(name: str) -> str | None:
+    """Why `name` cannot be a spec input (a phrase), or None when it can."""
+    if keyword.iskeyword(name):
+        return "it is a Python keyword"
+    if name.startswith("_"):
+        return "names starting with '_' belong to the generated module"
+    if name in POSITIONAL:
+        return f"{name} is the positional tensor every recurrence takes"
+    options = {n for n, _ in RECURRENT_OPTIONS + CHUNK_OPTIONS}
+    if name in options:
+        return f"{name!r} is a keyword option of recurrent()/chunk()"
+    if name in RESERVED:
+        return f"{name!r} is the value-head index in formulas"
+    if name in FUNCTIONS:
+        return f"{name!r} is a function of the formula language"
+    return None

@@ -1,0 +1,80 @@
+"""One call of a generated module against the float64 oracle: outputs, final state and every
+gradient. Shared by the tests of specs written on the fly (test_hygiene, test_fuzz_specs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lrdsl import reference
+from lrdsl.workloads import Shape, make_inputs, relative_error
+
+
+@dataclass(frozen=True)
+class Call:
+    """The options of one call, and what it is compared on."""
+
+    shape: Shape
+    bounds: tuple[int, ...] | None = None  # varlen: cu_seqlens (then shape.B == 1)
+    h0: bool = False
+    dht: bool = False  # a gradient flows into the final state
+    l2norm: bool = False
+    scale: float | None = None
+
+    @property
+    def N(self) -> int:
+        return len(self.bounds) - 1 if self.bounds else self.shape.B
+
+
+def same_layout(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def oracle_errors(rec, mod, call: Call, generator, kernel="chunk", gradients=True, tensors=None, device="cpu",
+                  layout=same_layout, **options) -> dict:
+    """Relative errors against the oracle: "o", "ht", and with `gradients` one per input ("d_q",
+    "d_<input>", "d_h0"). `tensors` (q, k, v and the inputs) default to make_inputs'; the kernel
+    gets them on `device`, each (and the initial state and cu_seqlens) through `layout`, which may
+    return a strided tensor of the same values."""
+    shape = call.shape
+    if tensors is None:
+        tensors = make_inputs(rec, shape, generator=generator)
+    h0 = torch.randn(call.N, shape.HV, shape.K, shape.V, generator=generator) if call.h0 else None
+    cu = torch.tensor(call.bounds, dtype=torch.int32) if call.bounds else None
+    kwargs = dict(scale=call.scale, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=call.l2norm)
+
+    def leaf(t):
+        return layout(t.detach().to(device)).detach().requires_grad_(gradients)
+
+    leaves = [leaf(t) for t in tensors]
+    h0_leaf = leaf(h0) if h0 is not None else None
+    device_kwargs = dict(kwargs, cu_seqlens=layout(cu.to(device)) if cu is not None else None)
+    with torch.set_grad_enabled(gradients):
+        o, ht = getattr(mod, kernel)(*leaves, initial_state=h0_leaf, **device_kwargs, **options)
+    refs = [t.detach().double().requires_grad_(gradients) for t in tensors]
+    h0_ref = h0.double().requires_grad_(gradients) if h0 is not None else None
+    ref_o, ref_ht = reference.run(rec, *refs, initial_state=h0_ref, **kwargs)
+    errors = {"o": relative_error(o, ref_o), "ht": relative_error(ht, ref_ht)}
+    assert o.dtype == tensors[2].dtype and o.is_contiguous() and ht.is_contiguous()
+    if not gradients:
+        return errors
+
+    d_o = torch.randn(o.shape, generator=generator)
+    loss, ref_loss = (o * d_o.to(device)).sum(), (ref_o * d_o.double()).sum()
+    if call.dht:  # else no gradient reaches the final state (the backward gets None for it)
+        d_final = torch.randn(ht.shape, generator=generator)
+        loss, ref_loss = loss + (ht * d_final.to(device)).sum(), ref_loss + (ref_ht * d_final.double()).sum()
+    loss.backward()
+    ref_loss.backward()
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    for name, leaf, ref in zip(names, leaves, refs):
+        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype, name
+        errors[f"d_{name}"] = relative_error(leaf.grad, ref.grad)
+    if h0 is not None:
+        errors["d_h0"] = relative_error(h0_leaf.grad, h0_ref.grad)
+    return errors
+
+
+def assert_errors(errors: dict, limit: float, what: str) -> None:
+    bad = {name: error for name, error in errors.items() if not error <= limit}
+    assert not bad, f"{what}: errors above {limit:.0e}: {bad} (all: {errors})"

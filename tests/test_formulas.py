@@ -1,0 +1,94 @@
+"""Formulas the oracle evaluates exactly are evaluated the same by the kernels, or refused at spec
+time with one line: powers of any integer size and sign (2.0 included) of negative bases,
+non-integer powers only of bases that cannot be negative, and decays that cannot grow the state."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lrdsl
+from lrdsl.codegen.printer import to_triton
+from lrdsl.errors import SpecError
+from lrdsl.ir.formula import parse_formula
+from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.spec import load_spec
+from lrdsl.workloads import TOLERANCE, Shape
+
+from oracle_checks import Call, assert_errors, oracle_errors
+
+LIMIT = TOLERANCE[torch.float32]
+
+
+def write(tmp_path, log_decay: str, beta: str, gate="scalar", inputs=(("a", "token"), ("b", "token")), update="delta") -> str:
+    lines = ['name = "formulas"', "[recurrence]", f'update = "{update}"', f'gate = "{gate}"', "[inputs]"]
+    lines += [f'{name} = "{role}"' for name, role in inputs]
+    lines += ["[formulas]", f'log_decay = "{log_decay}"', f'beta = "{beta}"']
+    path = tmp_path / "formulas.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+# (log_decay, beta) over token inputs a, b ~ N(0, 1): odd and large powers of negative values,
+# negative exponents, integral float exponents, fractional powers of non-negative bases
+POWERS = {
+    "odd_power_5": ("-softplus(a)", "sigmoid(b**5)"),
+    "power_13_by_squaring": ("-softplus(a**3)", "sigmoid(b**13 / 1000)"),
+    "negative_exponent": ("-softplus(a)", "sigmoid(0.1 * (b - 3)**(-5))"),
+    "float_exponent_2.0": ("-(a**2.0) / 4", "sigmoid(b**2.0 - 1)"),
+    "float_exponent_-3.0": ("-softplus(a)", "sigmoid((2 + b*b)**(-3.0))"),
+    "negative_constant_base": ("-softplus(a + (-2)**3 / 8)", "sigmoid(b * (-0.5)**(-3))"),
+    "fractional_of_nonnegative": ("-softplus(a)**1.5", "sqrt(sigmoid(b)) * (b*b + 1)**(-0.25)"),
+    "symbolic_exponent": ("-exp(a)**0.3", "sigmoid(b) ** sigmoid(a)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POWERS))
+def test_powers_match_the_oracle(case, tmp_path, generator, device):
+    """Finding 3 of issue 8: b**5, a**(-5), a**2.0 printed as exp2(n log2 x) gave inf."""
+    path = write(tmp_path, *POWERS[case])
+    rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
+    mod = lrdsl.load(path)
+    call = Call(Shape(1, 20, 1, 2, 8, 8), h0=True, dht=True)
+    recurrent = oracle_errors(rec, mod, call, generator, "recurrent", gradients=False, device=device)
+    assert_errors(recurrent, LIMIT, f"{case} recurrent")
+    assert_errors(oracle_errors(rec, mod, call, generator, "chunk", chunk_size=16, device=device), LIMIT, f"{case} chunk")
+
+
+def test_integer_powers_print_as_products():
+    names = {"x": "b_x"}
+    assert to_triton(parse_formula("x**5", {"x"}), names) == "(b_x * square(square(b_x)))"
+    assert to_triton(parse_formula("x**(-2.0)", {"x"}), names) == "(1.0 / (b_x * b_x))"
+    assert "log2" not in to_triton(parse_formula("x**100", {"x"}), names)
+
+
+def _spec_error(path) -> str:
+    with pytest.raises(SpecError) as info:
+        run_pipeline(load_spec(path), until="recurrence")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("beta", ["sigmoid(b**0.5)", "sigmoid(b**1.5)", "sigmoid(b**(1/3))", "sqrt(b)", "sigmoid(2**b + b**a)"])
+def test_non_integer_power_of_a_possibly_negative_base_is_refused(beta, tmp_path):
+    message = _spec_error(write(tmp_path, "-softplus(a)", beta))
+    assert "formulas.toml:10: formulas.beta: " in message and "raises a base that may be negative to a non-integer power" in message
+
+
+@pytest.mark.parametrize(
+    "log_decay, gate, inputs",
+    [
+        ("0.5", "constant", ()),
+        ("exp(A)", "constant", (("A", "head"),)),
+        ("log(1 + 2**(-h))", "constant", ()),
+        ("softplus(g)", "scalar", (("g", "token"),)),
+        ("g**2", "scalar", (("g", "token"),)),
+    ],
+)
+def test_a_decay_that_grows_the_state_is_refused(log_decay, gate, inputs, tmp_path):
+    """Finding 6 of issue 8: log_decay = "0.5" was accepted though the language requires g <= 0."""
+    path = write(tmp_path, log_decay, "sigmoid(b)", gate=gate, inputs=inputs + (("b", "token"),))
+    message = _spec_error(path)
+    line = 6 + len(inputs) + 2
+    assert f"formulas.toml:{line}: formulas.log_decay: {log_decay!r} is never negative" in message, message
+    assert "the log-decay must be <= 0" in message

@@ -1,0 +1,418 @@
+"""A spec fuzzer: whatever lrdsl accepts it must compile right, and what it refuses it must refuse
+in one line.
+
+Valid specs: every update rule, every gate kind, every input role, input names drawn from the
+names generated code uses and at random, formulas from the whole grammar (every function, integer
+powers of negative values up to x**7 and x**(-5), integral float exponents, fractional powers of
+bases that cannot be negative, negative constants and constant bases, the head index in constant
+gates). Each is checked against the float64 oracle on tiny shapes: the recurrent kernel, the chunk
+forward in every plan and chunk size, and gradients (one kernel, plan, chunk size and save policy
+per example). Key-channel gates have no chunk form yet: recurrent only.
+
+Invalid specs: a valid one with one thing broken; the error must be one line naming the file, the
+line (where the key is in the file) and the key.
+
+CI runs a bounded number of examples with a fixed seed (hypothesis derandomize; the tensors are
+fresh each run, from the `generator` fixture); LRDSL_FUZZ_EXAMPLES=N runs N examples per test
+drawn afresh, e.g. `LRDSL_FUZZ_EXAMPLES=500 pytest tests/test_fuzz_specs.py`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import sympy
+import torch
+from hypothesis import HealthCheck, Phase, assume, given, note, settings
+from hypothesis import strategies as st
+
+import lrdsl
+from lrdsl import config
+from lrdsl.codegen.names import CHUNK_OPTIONS, reserved_input_name
+from lrdsl.errors import SpecError
+from lrdsl.ir.formula import FUNCTIONS, HEAD_INDEX, parse_formula, torch_function
+from lrdsl.ir.recurrence import InputRole
+from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.reference import evaluate_formula
+from lrdsl.spec import load_spec
+from lrdsl.workloads import TOLERANCE, Shape, make_inputs
+
+from oracle_checks import Call, assert_errors, oracle_errors
+from test_hygiene import generated_names
+
+LIMIT = TOLERANCE[torch.float32]
+VALID_EXAMPLES = 24  # per CI run; each compiles a module and runs 8-9 kernel configurations
+INVALID_EXAMPLES = 120
+
+
+def fuzz_settings(ci_examples: int):
+    examples = config.fuzz_examples()
+    return settings(
+        max_examples=examples or ci_examples,
+        derandomize=examples is None,  # CI: the same specs every run
+        # CI reports the failing example as drawn (shrinking one can take many minutes)
+        phases=[Phase.explicit, Phase.generate] if examples is None else list(Phase),
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                               HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+def input_names():
+    pool = generated_names()
+    colliding = st.integers(0, len(pool) - 1).map(pool.__getitem__)  # (sampled_from would repr all ~500)
+    random = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,7}", fullmatch=True)
+    return st.one_of(colliding, random).filter(lambda n: reserved_input_name(n) is None)
+
+
+# -- formulas ------------------------------------------------------------------------------------
+
+CONSTANTS = ["0.5", "2", "3", "1.5", "0.25", "(-1)", "(-2.5)", "(1/3)", "exp(1)", "(-2)**3", "(-0.5)**(-3)", "2**(-2)"]
+UNARY = ["exp", "tanh", "sigmoid", "softplus", "logsigmoid"]
+assert set(UNARY) | {"log", "sqrt"} == set(FUNCTIONS), "the fuzzer must draw every function of the language"
+INTEGER_EXPONENTS = ["2", "3", "4", "5", "7", "2.0", "3.0", "(-1)"]
+# non-integer or negative exponents, only of bases that cannot be negative (or be 0)
+POSITIVE_BASE_EXPONENTS = ["0.5", "1.5", "(1/3)", "2.5", "(-0.5)", "(-2)", "(-5)", "(-3.0)"]
+POSITIVE = ["softplus({})", "sigmoid({})", "exp({})", "(({})**2 + 0.5)", "(1 + tanh({})**2)"]
+
+
+def formulas(leaves: list[str]):
+    """Formula text over `leaves`, real and finite for every real input (the divisions, logs, roots
+    and non-integer powers all take arguments that cannot be 0 or negative)."""
+    base = st.sampled_from(leaves + CONSTANTS) if leaves else st.sampled_from(CONSTANTS)
+
+    def extend(children):
+        positive = st.tuples(st.sampled_from(POSITIVE), children).map(lambda t: t[0].format(t[1]))
+        return st.one_of(
+            st.tuples(st.sampled_from(UNARY), children).map(lambda t: f"{t[0]}({t[1]})"),
+            children.map(lambda x: f"(-{x})"),
+            st.tuples(children, st.sampled_from(["+", "-", "*"]), children).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+            st.tuples(children, children).map(lambda t: f"({t[0]} / (1 + ({t[1]})**2))"),
+            st.tuples(children, st.sampled_from(INTEGER_EXPONENTS)).map(lambda t: f"({t[0]})**{t[1]}"),
+            st.tuples(positive, st.sampled_from(POSITIVE_BASE_EXPONENTS)).map(lambda t: f"({t[0]})**{t[1]}"),
+            st.tuples(positive, children).map(lambda t: f"({t[0]})**(tanh({t[1]}))"),
+            positive.map(lambda x: f"log({x})"),
+            positive.map(lambda x: f"sqrt({x})"),
+        )
+
+    return st.recursive(base, extend, max_leaves=5)
+
+
+# log-decays that are <= 0 for every input
+DECAY_WRAPPERS = ["(-softplus({}))", "logsigmoid({})", "(-sigmoid({}))", "(-exp({}))", "(-({})**2)", "log(sigmoid({}))",
+                  "(-0.1 * {}**2)"]
+# betas: in (0, 2) for the delta rule (else the state grows token by token); anything for a plain write
+DELTA_BETA_WRAPPERS = ["sigmoid({})", "(2 * sigmoid({}))", "(1 + tanh({}))", "{}"]
+PLAIN_BETA_WRAPPERS = ["{}", "sigmoid({})"]
+
+
+@dataclass(frozen=True)
+class FuzzSpec:
+    update: str
+    gate: str
+    inputs: tuple[tuple[str, str], ...]  # (name, role), positional order
+    log_decay: str | None
+    beta: str | None
+
+    @property
+    def chunked(self) -> bool:
+        return self.gate != "key_channel"
+
+    def document(self) -> dict:
+        formulas = {k: v for k, v in (("log_decay", self.log_decay), ("beta", self.beta)) if v is not None}
+        return {"name": "fuzz", "recurrence": {"update": self.update, "gate": self.gate},
+                "inputs": dict(self.inputs), "formulas": formulas}
+
+
+ROLES_FOR = {  # roles a gate's formula and beta may read
+    "none": ("token", "head"),
+    "scalar": ("token", "head"),
+    "constant": ("token", "head"),
+    "key_channel": ("token", "head", "token_key", "head_key"),
+}
+
+
+@st.composite
+def valid_specs(draw) -> FuzzSpec:
+    update = draw(st.sampled_from(["delta", "plain"]))
+    gate = draw(st.sampled_from(["none", "scalar", "constant", "key_channel"]))
+    names = draw(st.lists(input_names(), min_size=1, max_size=4, unique=True))
+    roles = {n: draw(st.sampled_from(ROLES_FOR[gate])) for n in names}
+    # the gate must read a per-token input (scalar), a per-key and a per-token one (key-channel)
+    if gate == "scalar" and "token" not in roles.values():
+        roles[names[0]] = "token"
+    if gate == "key_channel" and not ({"token_key", "head_key"} & set(roles.values())
+                                      and {"token", "token_key"} & set(roles.values())):
+        roles[names[0]] = "token_key"
+    per_key = {n for n, r in roles.items() if r in ("token_key", "head_key")}
+    per_token = {n for n, r in roles.items() if r in ("token", "token_key")}
+
+    log_decay = None
+    if gate == "constant":  # per-head inputs and the head index only
+        log_decay = draw(formulas([n for n in names if roles[n] == "head"] + ["h"]))
+    elif gate == "scalar":
+        log_decay = f"{draw(formulas(names))} + {draw(st.sampled_from(sorted(per_token)))}"
+    elif gate == "key_channel":
+        token, key = draw(st.sampled_from(sorted(per_token))), draw(st.sampled_from(sorted(per_key)))
+        log_decay = f"{draw(formulas(names))} + {token} + {key}"
+    if log_decay is not None:
+        log_decay = draw(st.sampled_from(DECAY_WRAPPERS)).format(f"({log_decay})")
+    beta = None
+    if draw(st.booleans()):
+        beta_leaves = [n for n in names if n not in per_key]
+        wrappers = DELTA_BETA_WRAPPERS if update == "delta" else PLAIN_BETA_WRAPPERS
+        beta = draw(st.sampled_from(wrappers)).format(f"({draw(formulas(beta_leaves))})")
+
+    # declare exactly the inputs the (parsed) formulas read, in the drawn order
+    used = set()
+    for text in (log_decay, beta):
+        if text is not None:
+            used |= {str(s) for s in parse_formula(text, set(names)).free_symbols}
+    if log_decay is not None:  # sympy may cancel the inputs a gate must read: x - x
+        reads = {str(s) for s in parse_formula(log_decay, set(names)).free_symbols}
+        assume(gate == "constant" or reads & per_token)
+        assume(gate != "key_channel" or reads & per_key)
+    inputs = tuple((n, roles[n]) for n in names if n in used)
+    return FuzzSpec(update, gate, inputs, log_decay, beta)
+
+
+def toml_text(document: dict) -> str:
+    def value(v):
+        return str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, (int, float)) else f'"{v}"'
+
+    lines = [f"{k} = {value(v)}" for k, v in document.items() if not isinstance(v, dict)]
+    for table, entries in document.items():
+        if isinstance(entries, dict):
+            lines.append(f"[{table}]")
+            lines += [f"{k} = {value(v)}" for k, v in entries.items()]
+    return "\n".join(lines) + "\n"
+
+
+# -- the data the kernels are compared on ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    call: Call
+    gradient_kernel: str
+    plan: str
+    chunk_size: int
+    save_policy: str
+    seed: int = field(repr=False)
+
+
+@st.composite
+def cases(draw) -> Case:
+    H, group = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    K, V = draw(st.sampled_from([8, 20])), draw(st.sampled_from([8, 24]))
+    T = draw(st.integers(1, 40))
+    bounds = None
+    if draw(st.booleans()):  # packed sequences, empty ones included
+        cuts = sorted(draw(st.lists(st.integers(0, T), min_size=1, max_size=3)))
+        bounds = (0, *cuts, T)
+    B = 1 if bounds else draw(st.integers(1, 2))
+    call = Call(Shape(B, T, H, H * group, K, V), bounds=bounds, h0=draw(st.booleans()), dht=draw(st.booleans()),
+                l2norm=draw(st.booleans()), scale=draw(st.sampled_from([None, 0.3])))
+    return Case(call, draw(st.sampled_from(["chunk", "recurrent"])), draw(st.sampled_from(["split", "fused"])),
+                draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from(["recompute", "save_prepare", "save"])),
+                draw(st.integers(0, 2**31 - 1)))
+
+
+def in_range(rec, tensors, HV: int) -> bool:
+    """Whether the formulas stay where float32 kernels can follow a float64 oracle on these inputs:
+    every subexpression and derivative finite and below 1e5 in size, the log-decay >= -40 (its
+    cumulative sums run in float32), the delta rule's beta in [0, 2] (else the state grows)."""
+    named = {i.name: x.double() for i, x in zip(rec.inputs, tensors[3:])}
+    roles = {i.name: i.role for i in rec.inputs}
+    for key, expr in (("log_decay", rec.log_decay), ("beta", rec.beta)):
+        if expr is None:
+            continue
+        per_key = key == "log_decay" and rec.is_per_key_channel(expr)
+        for sub in sympy.preorder_traversal(expr):
+            if isinstance(sub, sympy.Expr) and sub.free_symbols - {HEAD_INDEX}:
+                value = evaluate_formula(sub, named, roles, HV, per_key)
+                if not (torch.isfinite(value).all() and value.abs().max() < 1e5):
+                    return False
+        leaves = {n: x.clone().requires_grad_() for n, x in named.items()}
+        value = evaluate_formula(expr, leaves, roles, HV, per_key)
+        if value.requires_grad:
+            grads = torch.autograd.grad(value.sum(), [x for x in leaves.values() if x.requires_grad], allow_unused=True)
+            if any(g is not None and not (torch.isfinite(g).all() and g.abs().max() < 1e5) for g in grads):
+                return False
+        if key == "log_decay" and value.min() < -40:
+            return False
+        if key == "beta" and rec.is_delta and not (value.min() >= 0 and value.max() <= 2):
+            return False
+    return True
+
+
+@fuzz_settings(VALID_EXAMPLES)
+@given(spec=valid_specs(), case=cases())
+def test_valid_specs_match_the_oracle(spec, case, tmp_path, generator, device):
+    text = toml_text(spec.document())
+    note(text)
+    path = tmp_path / "fuzz.toml"
+    path.write_text(text)
+    rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
+    # fresh inputs every run (the fixture's seed), the same ones when hypothesis replays an example
+    data = torch.Generator().manual_seed(generator.initial_seed() ^ case.seed)
+    call = case.call
+    tensors = make_inputs(rec, call.shape, generator=data)
+    assume(in_range(rec, tensors, call.shape.HV))
+    mod = lrdsl.load(path)
+
+    def errors(kernel, gradients, **options):
+        return oracle_errors(rec, mod, call, data, kernel, gradients=gradients, tensors=tensors, device=device,
+                             **options)
+
+    assert_errors(errors("recurrent", False), LIMIT, "recurrent")
+    if not spec.chunked:
+        assert not hasattr(mod, "chunk")
+        return
+    for plan in mod.CHUNK_PLANS:
+        for size in mod.CHUNK_SIZES:
+            assert_errors(errors("chunk", False, plan=plan, chunk_size=size), LIMIT, f"chunk[{plan},{size}]")
+    options = dict(plan=case.plan, chunk_size=case.chunk_size, save_policy=case.save_policy)
+    if case.gradient_kernel == "recurrent":
+        options = {}
+    assert_errors(errors(case.gradient_kernel, True, **options), LIMIT, f"gradients of {case.gradient_kernel} {options}")
+
+
+# -- invalid specs ---------------------------------------------------------------------------------
+
+RESERVED = sorted({n for n, _ in CHUNK_OPTIONS} | {"q", "k", "v", "h", "_x", "class", "lambda"} | set(FUNCTIONS))
+
+
+def _some_input(doc, roles=("token", "head")) -> str:
+    """A declared input of one of `roles`, declaring one if there is none."""
+    for name, role in doc["inputs"].items():
+        if role in roles:
+            return name
+    doc["inputs"]["zz_extra"] = roles[0]
+    return "zz_extra"
+
+
+def _formula_key(doc, draw) -> str:
+    return draw(st.sampled_from(sorted(doc["formulas"])))
+
+
+def break_spec(doc: dict, kind: str, draw) -> str:
+    """Break `doc` in place one way; returns the key the error must name."""
+    formulas, recurrence, inputs = doc["formulas"], doc["recurrence"], doc["inputs"]
+    if kind == "unknown_key":
+        table = draw(st.sampled_from(["", "recurrence", "formulas"]))
+        (doc if not table else doc[table])["colour"] = "red"
+        return f"{table}.colour" if table else "colour"
+    if kind == "bad_value":
+        key = draw(st.sampled_from(["gate", "update"]))
+        recurrence[key] = draw(st.sampled_from(["diagonal", 3, True]))
+        return f"recurrence.{key}"
+    if kind == "reserved_name":
+        name = draw(st.sampled_from(RESERVED))
+        inputs[name] = "token"
+        return f"inputs.{name}"
+    if kind == "bad_role":
+        inputs["zz_role"] = draw(st.sampled_from(["per_token", "vector", 2]))
+        return "inputs.zz_role"
+    if kind == "unused_input":
+        inputs["zz_unused"] = "token"
+        return "inputs.zz_unused"
+    if kind == "formula_text":
+        key = _formula_key(doc, draw)
+        broken = draw(st.sampled_from(["({}) + undeclared_name", "cosh({})", "({}", "{} +* 2", "", "{} = 1", "[{}]"]))
+        formulas[key] = broken.format(formulas[key])
+        return f"formulas.{key}"
+    if kind == "formula_type":
+        key = _formula_key(doc, draw)
+        formulas[key] = 0.5
+        return f"formulas.{key}"
+    if kind == "gate_without_decay":
+        recurrence["gate"] = draw(st.sampled_from(["scalar", "constant", "key_channel"]))
+        formulas.pop("log_decay", None)
+        return "recurrence.gate"
+    if kind == "decay_without_gate":
+        recurrence["gate"] = "none"
+        formulas["log_decay"] = formulas.get("log_decay", "-0.5")
+        return "formulas.log_decay"
+    if kind == "non_real_power":
+        x = _some_input(doc)
+        exponent = draw(st.sampled_from(["0.5", "1.5", "(1/3)", "(-0.5)"]))
+        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid({x}**{exponent})"
+        return "formulas.beta"
+    if kind == "growing_decay":
+        recurrence["gate"] = "constant"
+        formulas["log_decay"] = draw(st.sampled_from(["0.5", "exp(zz_head)", "softplus(zz_head)", "zz_head**2",
+                                                      "log(1 + 2**(-h))"]))
+        if "zz_head" in formulas["log_decay"]:
+            inputs["zz_head"] = "head"
+        # the inputs the old decay read may now be unread: let beta read them all
+        formulas["beta"] = " * ".join([f"sigmoid({n})" for n in inputs if n != "zz_head"] or ["0.5"])
+        for name, role in inputs.items():
+            if role in ("token_key", "head_key"):
+                inputs[name] = "token"
+        return "formulas.log_decay"
+    if kind == "head_index_outside_constant_gate":
+        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid(h)"
+        return "formulas.beta"
+    if kind == "per_key_beta":
+        inputs["zz_key"] = "token_key"
+        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid(zz_key)"
+        return "formulas.beta"
+    if kind == "constant_gate_reads_a_token":
+        recurrence["gate"] = "constant"
+        formulas["log_decay"] = f"-softplus({_some_input(doc, ('token',))})"
+        return "formulas.log_decay"
+    if kind == "scalar_gate_reads_no_token":
+        recurrence["gate"] = "scalar"
+        formulas["log_decay"] = "-0.5"
+        return "formulas.log_decay"
+    raise AssertionError(kind)
+
+
+BREAKS = ["unknown_key", "bad_value", "reserved_name", "bad_role", "unused_input", "formula_text", "formula_type",
+          "gate_without_decay", "decay_without_gate", "non_real_power", "growing_decay",
+          "head_index_outside_constant_gate", "per_key_beta", "constant_gate_reads_a_token", "scalar_gate_reads_no_token"]
+
+
+def key_line(text: str, dotted: str) -> int | None:
+    """The line of `dotted` (table.key) in `text`, found independently of lrdsl's own scanner."""
+    table, _, key = dotted.rpartition(".")
+    current = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = re.fullmatch(r"\[(.*)\]", line.strip())
+        if header:
+            current = header.group(1)
+        elif current == table and re.match(rf"{re.escape(key)}\s*=", line):
+            return number
+    return None
+
+
+@fuzz_settings(INVALID_EXAMPLES)
+@given(spec=valid_specs(), kind=st.sampled_from(BREAKS), data=st.data())
+def test_invalid_specs_get_one_line_errors(spec, kind, data, tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text(toml_text(spec.document()))
+    run_pipeline(load_spec(path), until="recurrence")  # the spec before it is broken is valid
+    doc = spec.document()
+    if kind in ("formula_text", "formula_type") and not doc["formulas"]:
+        kind = "unused_input"
+    key = break_spec(doc, kind, data.draw)
+    text = toml_text(doc)
+    note(text)
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        run_pipeline(load_spec(path), until="recurrence")
+    message = str(info.value)
+    line = key_line(text, key)
+    where = f"{path}:{line}: " if line is not None else f"{path}: "
+    assert "\n" not in message and message.startswith(f"{where}{key}: "), (kind, message)
+
+
+def test_broken_toml_names_its_line(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text('name = "x"\n[recurrence]\nupdate = "delta\ngate = "none"\n')
+    with pytest.raises(SpecError, match=rf"^{re.escape(str(path))}:3: invalid TOML: "):
+        load_spec(path)
