@@ -86,7 +86,7 @@ class SymbolicChunk:
         return evaluate_sympy(prog, env, self.sizes, valid_rows=self.rows)
 
     def unrolled(self):
-        """The recurrence token by token (DESIGN.md section 1): (output rows, final state)."""
+        """The recurrence token by token (docs/design.md §1): (output rows, final state)."""
         rec, S, outputs = self.rec, self.H, []
         for t in range(self.rows):
             values = {sympy.Symbol(n): (x[t, 0] if isinstance(x, sympy.MatrixBase) else x) for n, x in self.raw.items()}

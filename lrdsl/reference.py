@@ -1,4 +1,4 @@
-"""The float64 oracle: any recurrence, token by token, exactly as DESIGN.md section 1 writes it.
+"""The float64 oracle: any recurrence, token by token, exactly as docs/design.md §1 writes it.
 
 It is the reference of every numeric test, so it is written to be read, not to be fast: GVA by
 repeating q/k, one Python loop over tokens, one einsum per term. It is differentiable (no

@@ -87,7 +87,7 @@ def assert_close(out, ref, dtype, what: str, limit: float | None = None):
     return err
 
 
-# The shape list of DESIGN.md section 6, shared by the recurrent and chunk tests.
+# The shape list of docs/design.md §6, shared by the recurrent and chunk tests.
 # Each case: shape (B, T, H, HV, K, V), dtype, and options of the call.
 SHAPE_CASES = {
     "T1": dict(shape=Shape(2, 1, 2, 2, 24, 48), dtype=torch.float32),

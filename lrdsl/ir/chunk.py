@@ -1,4 +1,4 @@
-"""Chunk IR: the tile-level program of one chunk (DESIGN.md section 2).
+"""Chunk IR: the tile-level program of one chunk (docs/design.md §2).
 
 One program describes the work on one chunk of C rows of one value head, given the chunk's entry
 state H (K x V); it produces the chunk's output O (C x V) and its exit state (K x V). Applying it

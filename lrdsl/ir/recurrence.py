@@ -1,6 +1,6 @@
 """Recurrence IR: the strict, canonical description of one token mixer.
 
-Per value head the state S is K x V. With q_t, k_t in R^K and v_t in R^V (DESIGN.md section 1):
+Per value head the state S is K x V. With q_t, k_t in R^K and v_t in R^V (docs/design.md §1):
 
     decay   S' = D_t S_{t-1}        D_t from the gate kind and the log-decay formula
     delta   u_t = beta_t (v_t - S'^T k_t),  S_t = S' + k_t u_t^T

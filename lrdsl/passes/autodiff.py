@@ -3,7 +3,7 @@
 Per chunk the forward maps (inputs, entry state H) to (O, exit state H'). Its vector-Jacobian
 product maps (dO, dH') to (d inputs, dH): that is the backward chunk program. Run over the chunks
 in reverse, each dH feeding the previous chunk's dH', seeded by the final-state gradient dht and
-ending in dh0, it is the whole backward (DESIGN.md section 3).
+ending in dh0, it is the whole backward (docs/design.md §3).
 
 The backward program first repeats the forward ops it needs. Values the forward plans store in
 memory (entry states H, W, U, the solved system, the residuals) are read back (`saved:` loads)

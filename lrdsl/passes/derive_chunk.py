@@ -1,4 +1,4 @@
-"""derive_chunk: Recurrence IR -> chunk program (the chunkwise WY/UT form, DESIGN.md section 2).
+"""derive_chunk: Recurrence IR -> chunk program (the chunkwise WY/UT form, docs/design.md §2).
 
 Which stages exist follows from the recurrence, never from its name:
  - a gate gives the cumulative log2-decay G, the decay matrices and the gamma factors; no gate,

@@ -1,6 +1,6 @@
 """derive_step: Recurrence IR -> the per-token step program of the recurrent kernel.
 
-The lowering is read straight off the recurrence (DESIGN.md section 1): the gate kind picks the
+The lowering is read straight off the recurrence (docs/design.md §1): the gate kind picks the
 decay op, the update rule picks predict/residual or a scaled write, beta is applied where the
 spec declares it. Per-head inputs and formulas that read no per-token input are hoisted into
 the prologue, so the body does only per-token work.
