@@ -196,15 +196,12 @@ def chunk_gated_delta_rule(
         fn, g, kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"), kwargs.get("dt_bias"),
         use_beta_sigmoid_in_kernel, allow_neg_eigval)
     module = spec_module(gate, beta_kind, has_dt_bias)
-    if cu_seqlens is not None and chunk_indices is None and cu_seqlens_cpu is not None:
-        chunk_indices = _host_chunk_indices(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_size, q)
-    elif chunk_indices is not None:
-        chunk_indices = _as_chunk_indices(fn, chunk_indices, q)
+    chunks = _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q) if cu_seqlens is not None else None
     extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
     return module.chunk(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
-        chunk_indices=chunk_indices if cu_seqlens is not None else None,
+        chunk_indices=chunks,
     )
 
 
@@ -253,18 +250,27 @@ def fused_recurrent_gated_delta_rule(
     )
 
 
-def _host_chunk_indices(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_size, q):
-    """Chunk indices from the host copy of cu_seqlens: no device synchronisation."""
-    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
-        _fail(fn, "cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens)")
-    if cu_seqlens_cpu.shape != cu_seqlens.shape:
-        _fail(fn, f"cu_seqlens_cpu must have cu_seqlens's shape {list(cu_seqlens.shape)}, got {list(cu_seqlens_cpu.shape)}")
-    indices, _ = module.prepare_varlen(cu_seqlens_cpu, chunk_size)
-    return indices.to(q.device, non_blocking=True)
+def _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q):
+    """The module's chunks of the packed sequences (what its prepare_varlen returns), for this call.
 
-
-def _as_chunk_indices(fn, chunk_indices, q):
-    """FLA's chunk indices (int64 [NC, 2], same meaning) as the int32 tensor the kernels read."""
-    if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
-        _fail(fn, "chunk_indices must be a [NC, 2] tensor of (sequence, chunk) pairs")
-    return chunk_indices.to(device=q.device, dtype=torch.int32).contiguous()
+    Counted on cu_seqlens_cpu when given (no device synchronisation), else on cu_seqlens (one).
+    FLA's own chunk_indices table ([NC, 2] (sequence, chunk) pairs) says nothing the count does
+    not, so it is only checked against it: a table made for another chunk size would send the
+    kernels past the sequences' ends."""
+    if cu_seqlens_cpu is None:
+        chunks = module.prepare_varlen(cu_seqlens, chunk_size)
+    else:
+        if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+            _fail(fn, "cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens)")
+        if cu_seqlens_cpu.shape != cu_seqlens.shape:
+            _fail(fn, f"cu_seqlens_cpu must have cu_seqlens's shape {list(cu_seqlens.shape)}, got {list(cu_seqlens_cpu.shape)}")
+        host = module.prepare_varlen(cu_seqlens_cpu, chunk_size)
+        chunks = module.VarlenChunks(host.indices.to(q.device, non_blocking=True), host.offsets.to(q.device, non_blocking=True),
+                                     chunk_size, host.num_tokens, cu_seqlens)
+    if chunk_indices is not None:
+        if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+            _fail(fn, "chunk_indices must be a [NC, 2] tensor of (sequence, chunk) pairs")
+        if chunk_indices.shape[0] != chunks.indices.shape[0]:
+            _fail(fn, f"chunk_indices has {chunk_indices.shape[0]} chunks but cu_seqlens has {chunks.indices.shape[0]} "
+                      f"of chunk_size={chunk_size}: prepared for another chunk size?")
+    return chunks

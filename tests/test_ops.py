@@ -175,6 +175,9 @@ def test_varlen_cu_seqlens_cpu_chunk_size_and_fla_chunk_indices(generator, devic
     for out, final in ((o, ht), (o2, ht2)):
         assert relative_error(out, o_ref) <= TOL
         assert relative_error(final, ht_ref) <= TOL
+    with pytest.raises(ValueError, match="prepared for another chunk size"):  # FLA's table for chunk size 16
+        call_chunk(x, "in_kernel_dt_bias", "sigmoid", chunk_size=32, cu_seqlens=cu.to(device),
+                   chunk_indices=torch.tensor([[1, 0], [2, 0], [2, 1], [3, 0]], device=device))
 
 
 def test_spec_per_flag_combination_is_written_and_cached():
