@@ -96,7 +96,9 @@ def test_backward_golden_dumps(golden):
 def test_backward_reads_the_forward_buffers_instead_of_solving():
     st = stages("gdn")
     reads = st["save"].reads
-    assert set(reads) == {"H", "T", "W", "Vn"}
+    # the entry states, the solved system, W, the residuals; and the decayed keys and chunk decay
+    # the forward stores for its scan
+    assert set(reads) == {"H", "T", "W", "Vn", "k_decayed", "G_last"}
     backward = st["backward"]
     assert backward.direction == "backward" and backward.state_in == "d_H_next"
     assert [role for role, _ in backward.outputs] == ["state", "grad:q", "grad:k", "grad:v", "grad:g", "grad:beta"]
@@ -108,8 +110,8 @@ def test_save_policies():
     recompute, prepare, keep = (save.policy(n) for n in ("recompute", "save_prepare", "save"))
     assert recompute.kept_by("fused") == () and recompute.rerun_by("fused") == ("prepare", "scan")
     assert recompute.rerun_by("split") == ("system", "solve", "apply", "scan")
-    assert set(prepare.kept_by("fused")) == {"T", "W", "U"} and prepare.rerun_by("fused") == ("scan",)
-    assert set(keep.kept_by("split")) == {"H", "T", "W", "Vn"} and keep.rerun_by("split") == ()
+    assert set(prepare.kept_by("fused")) == {"T", "W", "U", "k_decayed", "G_last"} and prepare.rerun_by("fused") == ("scan",)
+    assert set(keep.kept_by("split")) == {"H", "T", "W", "Vn", "k_decayed", "G_last"} and keep.rerun_by("split") == ()
 
 
 def test_verify_catches_a_gradient_of_the_wrong_shape():
