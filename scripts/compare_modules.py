@@ -29,6 +29,7 @@ p.add_argument("--fla", action="store_true")
 p.add_argument("--profile", default="")
 p.add_argument("--sweep", default="")  # role=BV,warps,stages;... variants on the first module
 p.add_argument("--oracle", default="")  # comma list of module names
+p.add_argument("--precision", default="input")  # lrdsl modules' precision= (FLA has none)
 args = p.parse_args()
 
 rec = run_pipeline(load_spec("specs/gdn.toml"), until="recurrence")["recurrence"]
@@ -89,7 +90,8 @@ for s in args.shapes.split(","):
     ts = [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=g, normalize_keys=False)]
     leaves = [t.requires_grad_() for t in ts] if args.backward else ts
     d_o = torch.randn(B, T, HV, 128, generator=g).to("cuda", torch.bfloat16)
-    impls = ([("fla", fla)] if fla else []) + [(n, m.chunk) for n, m in mods.items()]
+    impls = ([("fla", fla)] if fla else []) + [(n, (lambda m: lambda *a, **kw: m.chunk(*a, precision=args.precision, **kw))(m))
+                                                  for n, m in mods.items()]
     ref_out = None
     for name, fn in impls:
         ms, peak, cold, out = timeit(lambda: run(fn, leaves, d_o, args.backward))

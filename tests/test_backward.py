@@ -334,3 +334,27 @@ def test_check_reports_a_gradient_error_the_forward_hides(generator, device):
         wrong = by_kernel["chunk[split,64]", case]
         assert wrong.out_error <= wrong.limit and wrong.state_error <= wrong.limit
         assert wrong.grad_error > 0.1 and not wrong.ok
+
+
+@pytest.mark.parametrize("bounds", [None, [0, 3, 70, 100]], ids=["dense", "varlen"])
+def test_backward_recomputes_at_its_own_chunk_size(bounds, generator, device, monkeypatch):
+    """chunk_size left to lrdsl: the forward runs at LARGEST_CHUNK_SIZE, the backward (which
+    recomputes every forward buffer it reads) at BACKWARD_CHUNK_SIZE; gradients still match."""
+    mod = module("gdn")
+    assert mod.BACKWARD_CHUNK_SIZE["input"] < mod.LARGEST_CHUNK_SIZE["input"]
+    sizes, backward = [], mod._chunk_backward
+    monkeypatch.setattr(mod, "_chunk_backward", lambda c, *rest: sizes.append(c["BT"]) or backward(c, *rest))
+    case = dict(shape=Shape(1, 100, 1, 2, 16, 16), h0=True, dht=True, bounds=bounds)
+    assert_gradients(gradient_errors("gdn", case, generator, device), f"bounds={bounds}")
+    assert sizes == [mod.BACKWARD_CHUNK_SIZE["input"]]
+
+
+@pytest.mark.parametrize("options", [dict(chunk_size=64), dict(save_policy="save_prepare")], ids=["pinned", "kept"])
+def test_backward_keeps_the_forward_chunk_size_when_it_must(options, generator, device, monkeypatch):
+    """A chunk size the caller gives, or forward buffers the backward keeps, fix its chunk size."""
+    mod = module("gdn")
+    sizes, backward = [], mod._chunk_backward
+    monkeypatch.setattr(mod, "_chunk_backward", lambda c, *rest: sizes.append(c["BT"]) or backward(c, *rest))
+    case = dict(shape=Shape(1, 70, 1, 1, 16, 16), h0=True, dht=True)
+    assert_gradients(gradient_errors("gdn", case, generator, device, **options), str(options))
+    assert sizes == [64]

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import re
 
-from lrdsl.runtime.loader import generate
+import pytest
 
-from helpers import spec_path
+from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.runtime.loader import generate
+from lrdsl.spec import load_spec
+
+from helpers import module, spec_path
 
 
 def _generate(name: str) -> str:
@@ -41,3 +45,41 @@ def test_matmul_only_operands_load_in_the_matmul_dtype():
     lines = _kernel(_generate("gdn"), "gdn_chunk_scan_kernel")
     w_load = next(line for line in lines if line.strip().startswith("b_W = tl.load("))
     assert w_load.rstrip().endswith(".to(DOT_DTYPE)"), w_load
+
+
+# -- register pressure (codegen/pressure.py) and the backward's chunk size ------------------------
+
+def _contexts(name):
+    from lrdsl.codegen.chunk import KernelContext
+
+    item = run_pipeline(load_spec(spec_path(name)))["save"]
+    plan = item.backward.plans[0]
+    backward = {k.name: KernelContext(item.backward.graph.program, plan, k) for k in plan.kernels}
+    forward_plan = item.forward.plans[0]
+    forward = {k.name: KernelContext(item.forward.graph.program, forward_plan, k) for k in forward_plan.kernels}
+    return item, forward, backward
+
+
+def test_live_tiles_grow_with_the_chunk_and_the_backward_output_holds_most():
+    from lrdsl.codegen.pressure import peak_tile_bytes
+
+    _, forward, backward = _contexts("gdn")
+    output = [peak_tile_bytes(backward["output"], c, 128, 64) for c in (16, 32, 64)]
+    assert output[0] < output[1] < output[2]
+    # every gradient of a chunk at once: more than any forward kernel holds
+    assert output[2] > 2 * max(peak_tile_bytes(ctx, 64, 128, 64) for ctx in forward.values() if ctx.kernel.kind != "scan")
+    # 16-bit matmul operands count half of fp32 ones
+    assert peak_tile_bytes(backward["output"], 64, 128, 64, operand_bytes=4) > output[2]
+
+
+@pytest.mark.parametrize("name, expected", [("gdn", 32), ("deltanet", 32), ("simple_gla", 32), ("linear_attn", 64)])
+def test_backward_chunk_size_follows_register_pressure(name, expected):
+    """The largest chunk size whose backward kernels fit their registers (within the tolerance):
+    the gated and delta specs' output kernel overflows at 64, linear attention's does not."""
+    from lrdsl.codegen.chunk import backward_chunk_sizes
+
+    item, _, _ = _contexts(name)
+    sizes = backward_chunk_sizes(item.backward)
+    assert sizes["input"] == expected
+    assert sizes["tf32"] <= min(expected, 32)
+    assert module(name).BACKWARD_CHUNK_SIZE == sizes

@@ -36,10 +36,11 @@ from ..ir.chunk import (
     UnitLowerInverse,
 )
 from ..ir.formula import HEAD_INDEX
-from ..ir.plan import BackwardPlan, Kernel, Plan
+from ..ir.plan import BackwardPlan, ChunkPlans, Kernel, Plan
 from ..ir.recurrence import InputRole
 from ..registry import TypeRegistry
 from .names import CHUNK_OPTIONS, forward_options, gradient_pointer, input_pointer, signature
+from .pressure import peak_tile_bytes
 from .printer import to_triton
 from .schedule import eager_sums, first_reader_segment, has_v, is_loadable, place_values
 from .templating import indent, render
@@ -552,6 +553,44 @@ CHUNK_LAUNCH_FP32 = {"bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
 # The backward scan has the same loop-carried structure.
 CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"num_stages": 3}, "bwd_scan": {"num_stages": 3}}
 
+# The backward recomputes the forward's buffers (save policy "recompute") and so may use its own
+# chunk size. Its output kernel holds many more tiles than any forward kernel (every gradient of
+# a chunk), and past the register file it spills in its inner work: at C = 64 the gdn estimate
+# is 2.4x the register file and the kernel took 6.2 ms at 4 x 4096 (H200), at C = 32 (1.07x) it
+# took 3.4 ms and forward + backward fell from 9.6 to 7.3 ms, at C = 16 (0.7x) the scans' extra
+# steps cost more than the kernel gained (8.7 ms). The estimate is a lower bound (Triton's
+# temporaries are not counted), so a kernel may exceed the register file by a quarter.
+REGISTER_FILE_BYTES_PER_WARP = 32 * 255 * 4  # 32 threads x 255 registers of 4 bytes
+PRESSURE_TOLERANCE = 1.25
+PRESSURE_HEAD_DIM = 128  # the head dimension the estimate assumes (K = V)
+CHUNK_SIZE_CHOICES = (64, 32, 16)
+LARGEST_CHUNK_SIZE = {"input": 64, "tf32": 32}  # what fits an sm_90 block's shared memory
+
+
+def backward_chunk_sizes(backward: ChunkPlans) -> dict[str, int]:
+    """Per precision, the largest chunk size at which every backward kernel's live tiles
+    (pressure.peak_tile_bytes) stay within PRESSURE_TOLERANCE x its program's register file."""
+    prog, plan = backward.graph.program, backward.plans[0]
+    sizes = {}
+    for precision, largest in LARGEST_CHUNK_SIZE.items():
+        fits = [c for c in CHUNK_SIZE_CHOICES if c <= largest and _fits_registers(prog, plan, c, precision)]
+        sizes[precision] = fits[0] if fits else CHUNK_SIZE_CHOICES[-1]
+    return sizes
+
+
+def _fits_registers(prog: ChunkProgram, plan: Plan, chunk: int, precision: str) -> bool:
+    for kernel in plan.kernels:
+        if kernel.kind == "scan":  # its tiles do not grow with the chunk size: the state is K x BV
+            continue
+        role = "bwd_" + kernel.name
+        launch = dict(CHUNK_LAUNCH[role], **(CHUNK_LAUNCH_FP32.get(role, {}) if precision == "tf32" else {}))
+        operand_bytes = 4 if precision == "tf32" else 2
+        peak = peak_tile_bytes(KernelContext(prog, plan, kernel), chunk, PRESSURE_HEAD_DIM, launch["BV"], operand_bytes)
+        if peak > PRESSURE_TOLERANCE * launch["num_warps"] * REGISTER_FILE_BYTES_PER_WARP:
+            return False
+    return True
+
+
 BUFFER_SHAPES = {
     ("C", "K"): "(B, T, HV, K)",
     ("C", "V"): "(B, T, HV, V)",
@@ -672,6 +711,8 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         launch_wide=repr(CHUNK_LAUNCH_WIDE_K),
         launch_fp32=repr(CHUNK_LAUNCH_FP32),
         launch_few_programs=repr(CHUNK_LAUNCH_FEW_PROGRAMS),
+        largest_chunk_size=repr(LARGEST_CHUNK_SIZE),
+        backward_chunk_size=repr(backward_chunk_sizes(item.backward)),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p) for p in plans.plans],
         backward=_backward_launcher(item),

@@ -1,0 +1,68 @@
+"""Register pressure of a chunk kernel: the most tile bytes one program holds at once.
+
+A kernel's values are tiles (C x K, C x V blocks, C x C, K x V blocks, C-vectors). What the
+compiler cannot keep in a program's registers it spills to local memory, and a kernel that spills
+in its inner work runs several times slower (BENCHMARKS.md: the backward output kernel). This
+walks a kernel body in the order codegen emits it (schedule.place_values: plain segments and V
+loops; schedule.eager_sums: running sums) and adds up the tiles live at each point:
+    a value lives from its definition to its last reader (a value read inside a V loop lives to
+    the end of that loop; a sum over V lives from the start of its loop); a term summed eagerly
+    dies at once; a result written out and not read again dies at once; the q/k gradients a
+    key-head program sums over its value heads live through the whole kernel.
+The estimate counts values, not Triton's temporaries or layout conversions, so it is a lower
+bound; its use is comparing chunk sizes and kernels of one spec, not predicting spills exactly.
+"""
+from __future__ import annotations
+
+from .schedule import eager_sums, is_loadable, place_values
+
+ACC_BYTES = 4  # a tile's elements are fp32 unless a loaded value stays in the matmul dtype
+
+
+def _tile_bytes(ctx, value: str, dims: dict[str, int], operand_bytes: int) -> int:
+    size = 1
+    for axis in ctx.shape(value):
+        size *= dims[axis]
+    kept_as_operand = is_loadable(ctx, value) and ctx.load_dtype(value) == "DOT_DTYPE"
+    return size * (operand_bytes if kept_as_operand else ACC_BYTES)
+
+
+def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes: int = 2) -> int:
+    """The most tile bytes live at once in one program of a chunk-parallel kernel (K = V =
+    head_dim, V tiles block_v wide, matmul operands of operand_bytes per element)."""
+    from .chunk import key_head_results  # chunk.py builds the kernels this measures
+
+    place, _ = place_values(ctx)
+    eager = eager_sums(ctx, place)
+    dims = {"C": chunk, "K": head_dim, "V": block_v}
+    order = {value: i for i, value in enumerate(ctx.kernel.computes)}
+
+    def start(value: str) -> tuple:
+        kind, index = place[value]
+        if kind == "sum":
+            return (2 * index + 1, -1)  # zeroed before its loop, accumulated through it
+        return (2 * index + (kind == "loop"), order[value])
+
+    def end(value: str) -> tuple:
+        if value in eager:
+            return start(value)  # added to its running sum as soon as it exists
+        ends = [start(value)]
+        for reader in ctx.kernel.computes:
+            if value not in ctx.prog.op(reader).args():
+                continue
+            kind, index = place[reader]
+            if kind in ("loop", "sum") and place[value][0] == "plain" or kind == "sum":
+                ends.append((2 * index + 1, len(order)))  # read in every iteration of the loop
+            else:
+                ends.append(start(reader))
+        return max(ends)
+
+    running_sums = {total for total, _ in eager.values()}
+    intervals = [(start(v), end(v), _tile_bytes(ctx, v, dims, operand_bytes)) for v in ctx.kernel.computes if v not in running_sums]
+    for total in running_sums:  # a running sum lives from its first term on
+        first = min(start(t) for t, (s, _) in eager.items() if s == total)
+        intervals.append((first, end(total), _tile_bytes(ctx, total, dims, operand_bytes)))
+    # the q/k gradients a key-head program sums over its value heads
+    group_sums = sum(_tile_bytes(ctx, value, dims, operand_bytes) for _, value in key_head_results(ctx))
+    points = sorted({s for s, _, _ in intervals})
+    return group_sums + max((sum(b for s, e, b in intervals if s <= p <= e) for p in points), default=0)
