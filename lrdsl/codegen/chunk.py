@@ -534,7 +534,10 @@ def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
 CHUNK_LAUNCH = {
     "prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "system": {"BV": 64, "num_warps": 4, "num_stages": 2},
-    "solve": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    # one warp: the solve's tiles are 16 x 16 blocks, and within a warp its row reductions are
+    # register shuffles, with no shared memory or barrier between warps (H200, 4 x 4096: the
+    # forward 1.337 -> 1.167 ms against 4 warps)
+    "solve": {"BV": 64, "num_warps": 1, "num_stages": 2},
     "apply": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
     "output": {"BV": 64, "num_warps": 4, "num_stages": 2},
@@ -552,6 +555,9 @@ CHUNK_LAUNCH_FP32 = {"bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
 # heads (32 programs) from 1.64 to 1.28 ms per call, and slowed it at 4 x 4096 (512 programs).
 # The backward scan has the same loop-carried structure.
 CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"num_stages": 3}, "bwd_scan": {"num_stages": 3}}
+# At C = 32 the backward output kernel pipelines its V loop in 2 stages: 7.27 -> 6.88 ms forward +
+# backward at 4 x 4096 (H200); at C = 64 one stage was 2.4 ms faster (spills, not loads, bind there).
+CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"num_stages": 2}}
 
 # The backward recomputes the forward's buffers (save policy "recompute") and so may use its own
 # chunk size. Its output kernel holds many more tiles than any forward kernel (every gradient of
@@ -711,6 +717,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         launch_wide=repr(CHUNK_LAUNCH_WIDE_K),
         launch_fp32=repr(CHUNK_LAUNCH_FP32),
         launch_few_programs=repr(CHUNK_LAUNCH_FEW_PROGRAMS),
+        launch_small_chunk=repr(CHUNK_LAUNCH_SMALL_CHUNK),
         largest_chunk_size=repr(LARGEST_CHUNK_SIZE),
         backward_chunk_size=repr(backward_chunk_sizes(item.backward)),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
