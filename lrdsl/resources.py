@@ -1,14 +1,16 @@
 """Ahead-of-time compilation of a generated module's kernels for an NVIDIA target, without a GPU.
 
 Triton compiles for any target on any machine (its bundled ptxas assembles sm_90 code on a CPU
-box). This runs a generated module's `chunk` (forward and backward) and `recurrent` on small CPU
-tensors with every kernel launch intercepted: each launch's arguments give the kernel's
+box). This runs a generated module's `chunk` (forward and backward, every plan) and `recurrent`
+on meta tensors with every kernel launch intercepted: each launch's arguments give the kernel's
 signature and constants, which are then compiled for the target. The report says, per kernel and
 launch setting, what the GPU would give it: registers per thread, bytes spilled per thread and
 shared memory per block, and whether it fits (a block gets at most 232,448 bytes of shared
-memory on sm_90). So register pressure and shared-memory overflows show up in CI, not on the GPU.
+memory on sm_90). So what only the GPU compiler rejects (a tl.dot dimension under 16, say),
+register pressure and shared-memory overflows show up in CI, not on the GPU.
 
-    python -m lrdsl.resources specs/gdn.toml [--shape B,T,H,HV,K,V] [--dtype bf16] [--precision input]
+    python -m lrdsl.resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
+                              [--chunk-size C]
 """
 from __future__ import annotations
 
@@ -136,8 +138,11 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     return registers, int(spills.group(1)) if spills else 0
 
 
-def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90) -> list[KernelResources]:
-    """Compile every kernel a chunk call (forward and backward) and a recurrent call launch."""
+def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90, chunk_size=None) -> list[KernelResources]:
+    """Compile every kernel that chunk calls (forward and backward, every plan; chunk_size None:
+    the default for the precision) and a recurrent call launch, each once per distinct
+    specialisation. The calls take an initial state and both outputs' gradients: the kernels'
+    longest variants."""
     import torch
 
     from .workloads import make_inputs
@@ -145,19 +150,23 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0))
     # meta tensors: shapes and dtypes without data or a device; the launches are only recorded
     tensors = [t.to("meta") for t in tensors]
-    leaves = [t.requires_grad_() for t in tensors]
+    h0 = torch.empty(shape.B, shape.HV, shape.K, shape.V, device="meta")
+    options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
     with _LaunchRecorder(module) as recorder:
-        if hasattr(module, "chunk"):
-            o, _ = module.chunk(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True, precision=precision)
-            o.sum().backward()
-        module.recurrent(*[t.detach() for t in tensors], use_qk_l2norm_in_kernel=True, output_final_state=True)
+        for plan in getattr(module, "CHUNK_PLANS", ()):
+            leaves = [t.detach().requires_grad_() for t in (*tensors, h0)]
+            o, ht = module.chunk(*leaves[:-1], initial_state=leaves[-1], plan=plan, precision=precision,
+                                 chunk_size=chunk_size, **options)
+            (o.sum() + ht.sum()).backward()
+        module.recurrent(*tensors, initial_state=h0, **options)
     seen, report = set(), []
     for fn, args, kwargs in recorder.launches:
-        compiled, options, extra = _compile(fn, args, dict(kwargs), arch)
-        launch = " ".join(f"{k}={v}" for k, v in {**options, **extra}.items())
-        if (fn.__name__, launch) in seen:
+        key = (fn.__name__, repr(args), repr(sorted(kwargs.items())))  # meta tensors print as shape and dtype
+        if key in seen:
             continue
-        seen.add((fn.__name__, launch))
+        seen.add(key)
+        compiled, launch_options, extra = _compile(fn, args, dict(kwargs), arch)
+        launch = " ".join(f"{k}={v}" for k, v in {**launch_options, **extra}.items())
         registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
         report.append(KernelResources(fn.__name__, launch, registers, spills, compiled.metadata.shared))
     return report
@@ -175,18 +184,25 @@ def main(argv=None) -> int:
     from .workloads import Shape
 
     p = argparse.ArgumentParser(prog="python -m lrdsl.resources", description=__doc__.split("\n\n")[0])
-    p.add_argument("spec")
-    p.add_argument("--shape", default="1,256,2,4,128,128", help="B,T,H,HV,K,V")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("specs", nargs="+", metavar="spec")
+    p.add_argument("--shape", action="append", help="B,T,H,HV,K,V (repeat for several; default 1,256,2,4,128,128)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp64"))
     p.add_argument("--precision", default="input", choices=("input", "tf32"))
+    p.add_argument("--chunk-size", type=int, default=None, help="default: the module's default for the precision")
     args = p.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    rec = run_pipeline(load_spec(args.spec), until="recurrence")["recurrence"]
-    module = load(args.spec)
-    report = kernel_resources(module, rec, Shape(*map(int, args.shape.split(","))), dtype, args.precision)
-    for row in report:
-        print(row.describe())
-    return 0 if all(r.fits for r in report) else 1
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
+    fits = True
+    for spec in args.specs:
+        rec = run_pipeline(load_spec(spec), until="recurrence")["recurrence"]
+        module = load(spec)
+        for text in args.shape or ["1,256,2,4,128,128"]:
+            shape = Shape(*map(int, text.split(",")))
+            print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}")
+            report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=args.chunk_size)
+            for row in report:
+                print(row.describe())
+            fits = fits and all(r.fits for r in report)
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,165 @@
+"""Kernel launches on the CPU interpreter: every launch runs under its inputs' device guard and
+puts its programs on the grid's first axis (CUDA caps the other two at 65,535), the program-id
+decomposition that follows is right, launches too large for one grid are refused, and tensors
+on different devices are one clear error. tests/test_gpu_reliability.py runs the same on GPUs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from lrdsl import reference
+from lrdsl.layers.kernels import layer_kernels
+from lrdsl.workloads import TOLERANCE, Shape, relative_error
+
+from helpers import module, recurrence, sample
+
+LIMIT = TOLERANCE[torch.float32]
+
+
+class _Launches:
+    """Records each interpreted launch (kernel name, grid, the device guards around it) while
+    torch.cuda.device is replaced by a recorder of the devices it is asked to select."""
+
+    def __init__(self, monkeypatch):
+        self.launches, self.selected, self.depth = [], [], 0
+        run, launches = InterpretedFunction.run, self
+
+        class Guard:
+            def __init__(self, device):
+                launches.selected.append(device)
+
+            def __enter__(self):
+                launches.depth += 1
+
+            def __exit__(self, *exc):
+                launches.depth -= 1
+
+        def recording_run(fn, *args, grid, **kwargs):
+            self.launches.append((fn.__name__, tuple(grid), self.depth))
+            return run(fn, *args, grid=grid, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, "device", Guard)
+        monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+
+
+def _leaves(tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def test_recurrence_launches_are_guarded_and_one_dimensional(monkeypatch, generator):
+    rec, mod = recurrence("gdn"), module("gdn")
+    tensors = sample(rec, Shape(2, 5, 1, 2, 8, 40), torch.float32, generator)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    recorder = _Launches(monkeypatch)
+    for plan in mod.CHUNK_PLANS:
+        o, ht = mod.chunk(*_leaves(tensors), plan=plan, chunk_size=16, output_final_state=True)
+        (o.sum() + ht.sum()).backward()
+    o, _ = mod.recurrent(*_leaves(tensors))
+    o.sum().backward()
+    mod.chunk(*[t[:1] for t in tensors], cu_seqlens=cu, chunk_size=16)
+    names = {name for name, _, _ in recorder.launches}
+    assert {"gdn_recurrent_fwd_kernel", "gdn_chunk_scan_kernel", "gdn_chunk_bwd_scan_kernel",
+            "gdn_chunk_prepare_kernel", "gdn_chunk_bwd_output_kernel"} <= names, names
+    for name, grid, depth in recorder.launches:
+        assert depth >= 1, f"{name} launched outside its inputs' device guard"
+        assert len(grid) == 1, f"{name} launched on grid {grid}: programs belong on the first axis"
+    assert recorder.selected and all(device == -1 for device in recorder.selected)  # CPU tensors: no device to select
+
+
+def test_layer_kernel_launches_are_guarded_and_batch_free_past_the_first_axis(monkeypatch, generator):
+    kernels = layer_kernels()
+    D, W = 40, 4
+    x = torch.randn(3, 9, D, generator=generator, requires_grad=True)
+    weight = torch.randn(D, W, generator=generator, requires_grad=True)
+    recorder = _Launches(monkeypatch)
+    y, window = kernels.short_conv(x, weight, output_final_window=True)
+    y.sum().backward()
+    kernels.short_conv(x[:1].detach(), weight.detach(), cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32))
+    kernels.short_conv_update(x[:, 0].detach(), window, weight.detach())
+    gate = torch.randn(3, 9, D, generator=generator)
+    kernels.gated_rms_norm(x, gate, torch.randn(D, generator=generator)).sum().backward()
+    names = {name for name, _, _ in recorder.launches}
+    assert {"short_conv_fwd_kernel", "short_conv_bwd_kernel", "short_conv_window_kernel", "short_conv_update_kernel",
+            "gated_norm_fwd_kernel", "gated_norm_bwd_kernel"} <= names, names
+    for name, grid, depth in recorder.launches:
+        assert depth >= 1, f"{name} launched outside its inputs' device guard"
+        # past the first axis only blocks of channels: the same for any batch
+        assert len(grid) <= 2 and all(n == 1 for n in grid[1:]), f"{name} launched on grid {grid}"
+
+
+def _errors(rec, mod, kernel, tensors, d_o, options, **kwargs):
+    """Relative errors of o and (d_o given) of every gradient, kernel vs the float64 oracle."""
+    leaves = _leaves(tensors) if d_o is not None else tensors
+    o, _ = getattr(mod, kernel)(*leaves, **kwargs, **options)
+    refs = [t.detach().double().requires_grad_() for t in tensors]
+    ref_o, _ = reference.run(rec, *refs, **kwargs)
+    errors = {"o": relative_error(o, ref_o)}
+    if d_o is not None:
+        grads = torch.autograd.grad(o, leaves, d_o)
+        ref_grads = torch.autograd.grad(ref_o, refs, d_o.double())
+        names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+        errors.update({f"d{n}": relative_error(a, b) for n, a, b in zip(names, grads, ref_grads)})
+    return errors
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_program_ids_decompose_into_every_index(varlen, generator):
+    """Several sequences, chunks per sequence, key heads, value heads per key head and blocks of
+    value columns (V = 40: two blocks of the recurrent kernel and the scans), K = 8 (a tile padded
+    to 16): each program id of the one grid axis is its own (sequence or chunk, head, value block)."""
+    rec, mod = recurrence("gdn"), module("gdn")
+    shape = Shape(1, 20, 2, 4, 8, 40) if varlen else Shape(2, 17, 2, 4, 8, 40)
+    tensors = sample(rec, shape, torch.float32, generator)
+    d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator)
+    cu = torch.tensor([0, 17, 17, 20], dtype=torch.int32) if varlen else None
+    chunk = _errors(rec, mod, "chunk", tensors, d_o, dict(chunk_size=16), cu_seqlens=cu)
+    recurrent = _errors(rec, mod, "recurrent", tensors, None, {}, cu_seqlens=cu)
+    assert max(chunk.values()) <= LIMIT and recurrent["o"] <= LIMIT, (chunk, recurrent)
+
+
+def _expanded(rec, B, T, H, HV, K, V):
+    """Inputs of any size without memory: one element each, expanded (the checks read shapes only)."""
+    sizes = {"B": B, "T": T, "HV": HV, "K": K}
+    q = torch.zeros(1, 1, 1, 1).expand(B, T, H, K)
+    v = torch.zeros(1, 1, 1, 1).expand(B, T, HV, V)
+    extras = [torch.zeros([1] * len(i.role.shape)).expand(*[sizes[d] for d in i.role.shape]) for i in rec.inputs]
+    return [q, q, v, *extras]
+
+
+def test_more_programs_than_a_grid_holds_are_refused():
+    rec, mod = recurrence("gdn"), module("gdn")
+    # 2**21 sequences x 1,024 value heads: 2**31 programs of the recurrent kernel and the scans
+    with pytest.raises(mod.InputError) as info:
+        mod.recurrent(*_expanded(rec, 2**21, 1, 1024, 1024, 1, 1))
+    message = str(info.value)
+    assert "\n" not in message and "N=2097152 sequences x HV=1024 value heads" in message and "split the batch" in message
+    # 2**24 chunks of 16 tokens x 1,024 value heads
+    with pytest.raises(mod.InputError, match=r"NC=16777216 chunks x HV=1024 value heads make 17179869184 GPU programs"):
+        mod.chunk(*_expanded(rec, 1, 2**28, 1, 1024, 1, 1), chunk_size=16)
+
+
+def test_tensors_on_different_devices_are_one_clear_error(generator):
+    rec, mod = recurrence("gdn"), module("gdn")
+    q, k, v, g, beta = sample(rec, Shape(1, 5, 1, 2, 8, 8), torch.float32, generator)
+    cases = [
+        (dict(v=v.to("meta")), {}, "v is on meta but q is on cpu"),
+        ({}, dict(initial_state=torch.zeros(1, 2, 8, 8, device="meta")), "initial_state is on meta but q is on cpu"),
+        ({}, dict(cu_seqlens=torch.tensor([0, 5], device="meta")), "cu_seqlens is on meta but q is on cpu"),
+    ]
+    for replaced, kwargs, expected in cases:
+        tensors = dict(dict(q=q, k=k, v=v, g=g, beta=beta), **replaced)
+        for kernel in ("chunk", "recurrent"):
+            with pytest.raises(mod.InputError) as info:
+                getattr(mod, kernel)(*tensors.values(), **kwargs)
+            assert str(info.value) == f"gdn.{kernel}: {expected}" + (
+                "; all tensors must share one device" if replaced else ""), str(info.value)
+
+
+def test_layer_kernels_refuse_tensors_on_different_devices(generator):
+    kernels = layer_kernels()
+    x = torch.randn(1, 4, 8, generator=generator)
+    with pytest.raises(kernels.InputError, match=r"^short_conv: weight is on meta but x is on cpu; all tensors must share one device$"):
+        kernels.short_conv(x, torch.zeros(8, 4, device="meta"))
+    with pytest.raises(kernels.InputError, match=r"^gated_rms_norm: gate is on meta but x is on cpu; all tensors must share one device$"):
+        kernels.gated_rms_norm(x, x.to("meta"), torch.ones(8))
