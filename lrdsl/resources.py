@@ -78,12 +78,12 @@ class _LaunchRecorder:
         def on_cpu(t):
             return None if t is None else torch.empty(t.shape, dtype=t.dtype)
 
-        def check_shapes(fn, kernel, q, k, v, extras, scale, initial_state, cu_seqlens):
+        def check_shapes(fn, kernel, q, k, v, extras, scale, initial_state, cu_seqlens, **options):
             interpreted = self.module._is_interpreted
             self.module._is_interpreted = lambda kernel: True
             try:
                 return check(fn, kernel, on_cpu(q), on_cpu(k), on_cpu(v), tuple(map(on_cpu, extras)), scale,
-                             on_cpu(initial_state), cu_seqlens)
+                             on_cpu(initial_state), cu_seqlens, **options)
             finally:
                 self.module._is_interpreted = interpreted
 
@@ -114,7 +114,12 @@ def _compile(fn, args, kwargs, arch: int):
             signature[name] = _signature_type(value)
     source = ASTSource(fn, signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 128), options=options)
-    return compiled, options, {k: v for k, v in bound.items() if k in ("BV",)}
+    shown = {k: v for k, v in bound.items() if k == "BV" or (k in SERVING_FLAGS and v)}
+    return compiled, options, shown
+
+
+# The recurrent kernel's serving variants, each its own compilation (shown in the report when on)
+SERVING_FLAGS = ("USE_POOL", "STATE_V_FIRST", "SAVE_DRAFT")
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -137,7 +142,8 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
 
 
 def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90) -> list[KernelResources]:
-    """Compile every kernel a chunk call (forward and backward) and a recurrent call launch."""
+    """Compile every kernel a chunk call (forward and backward), a recurrent call, and the serving
+    calls (decode on a bf16 pool kept [P, HV, V, K], verify and commit on an fp32 pool) launch."""
     import torch
 
     from .workloads import make_inputs
@@ -146,11 +152,20 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     # meta tensors: shapes and dtypes without data or a device; the launches are only recorded
     tensors = [t.to("meta") for t in tensors]
     leaves = [t.requires_grad_() for t in tensors]
+    plain = [t.detach() for t in tensors]
+    rows = (shape.B, shape.HV, shape.K, shape.V)
+    indices = torch.empty(shape.B, dtype=torch.int32, device="meta")
     with _LaunchRecorder(module) as recorder:
         if hasattr(module, "chunk"):
             o, _ = module.chunk(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True, precision=precision)
             o.sum().backward()
-        module.recurrent(*[t.detach() for t in tensors], use_qk_l2norm_in_kernel=True, output_final_state=True)
+        module.recurrent(*plain, use_qk_l2norm_in_kernel=True, output_final_state=True)
+        pool = torch.empty(rows[0], rows[1], rows[3], rows[2], dtype=torch.bfloat16, device="meta")
+        module.recurrent(*plain, use_qk_l2norm_in_kernel=True, state_pool=pool, state_indices=indices, state_v_first=True,
+                         validate=False)
+        _, draft = module.verify(*plain, use_qk_l2norm_in_kernel=True, state_pool=torch.empty(rows, device="meta"),
+                                 state_indices=indices, validate=False)
+        module.commit(draft, indices, validate=False)
     seen, report = set(), []
     for fn, args, kwargs in recorder.launches:
         compiled, options, extra = _compile(fn, args, dict(kwargs), arch)
