@@ -55,8 +55,8 @@ class ReferencePool:
 
     def run(self, rec, tensors, indices, bounds=None, **options):
         """The oracle's o for one call on the pool (zeros for padding slots); advances the rows."""
-        B, T = tensors[0].shape[:2]
-        o = torch.zeros(B, T, HV, tensors[2].shape[3], dtype=torch.float64)
+        B, T, heads, width = tensors[2].shape
+        o = torch.zeros(B, T, heads, width, dtype=torch.float64, device=self.rows.device)
         for n, row in enumerate(indices):
             tokens = None if bounds is None else slice(bounds[n], bounds[n + 1])
             if row < 0:
@@ -72,7 +72,7 @@ class ReferencePool:
 
     def check(self, pool, untouched_before, used_rows, limit=LIMIT, what=""):
         """The kernels' pool against the oracle's rows; rows not used are bitwise unchanged."""
-        got = self.k_first(pool).double().cpu()
+        got = self.k_first(pool).double().to(self.rows.device)
         used = sorted(used_rows)
         error = relative_error(got[used], self.rows[used])
         assert error <= limit, f"{what}: pool rows {used} differ from the oracle by {error:.2e}"
@@ -293,22 +293,21 @@ DRIFT_STEPS_CPU = 48
 def drift(name, dtype, steps, generator, device, shape=(4, 1, 2, 12, 10), inputs_dtype=torch.float32):
     """Decode `steps` tokens on a `dtype` pool and on an fp32 pool from the same start (the fp32
     start rounded to `dtype`, so both begin equal): errors of the 16-bit run against the fp32 one
-    and against the float64 oracle, for o (all steps) and the final rows."""
+    and against the float64 oracle (run on `device`), for o (all steps) and the final rows."""
     rec, mod = recurrence(name), module(name)
     B, H_, HV_, K_, V_ = shape
-    start = (torch.randn(B, HV_, K_, V_, generator=generator) * 0.5).to(dtype).float()
-    pools = {dtype: start.to(device, dtype), torch.float32: start.to(device)}
+    start = (torch.randn(B, HV_, K_, V_, generator=generator) * 0.5).to(dtype).to(device, torch.float32)
+    pools = {dtype: start.to(dtype), torch.float32: start.clone()}
     rows = torch.arange(B, device=device)
     ref = start.double()
     outs = {dtype: [], torch.float32: []}
     ref_outs = []
     for _ in range(steps):
-        tensors = make_inputs(rec, Shape(B, 1, H_, HV_, K_, V_), generator=generator, dtype=inputs_dtype)
+        tensors = on(device, make_inputs(rec, Shape(B, 1, H_, HV_, K_, V_), generator=generator, dtype=inputs_dtype))
         for kind, pool in pools.items():
             with torch.no_grad():
-                o, _ = mod.recurrent(*on(device, tensors), state_pool=pool, state_indices=rows,
-                                     use_qk_l2norm_in_kernel=True)
-            outs[kind].append(o.double().cpu())
+                o, _ = mod.recurrent(*tensors, state_pool=pool, state_indices=rows, use_qk_l2norm_in_kernel=True)
+            outs[kind].append(o.double())
         o_ref, ref = reference.run(rec, *tensors, initial_state=ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
         ref_outs.append(o_ref)
     low, full, exact = torch.cat(outs[dtype], 1), torch.cat(outs[torch.float32], 1), torch.cat(ref_outs, 1)
@@ -417,3 +416,170 @@ def test_without_validation_rows_outside_the_pool_are_never_touched(generator, d
     mod.commit(draft, torch.tensor([9, -3, 2], device=device), validate=False)  # clamped to 2, 0, 2
     check_commit(rec, mod, after_decode.cpu(), pool.cpu(), tensors, [0, 1, 2], [2, 0, 2], None, device,
                  what="clamped")
+
+
+# -- GPU: bf16 at real sizes, CUDA graphs, 16-bit pools over 1,000 steps --------------------------------
+# GPU_REPORT=FILE appends every measured error as a JSON line (as tests/test_gpu.py does).
+
+REAL = dict(H=16, HV=32, K=128, V=128)
+GPU_LIMIT = TOLERANCE[torch.bfloat16]
+
+
+def report(**row):
+    path = os.environ.get("GPU_REPORT")
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def real_inputs(rec, B, T, generator):
+    shape = Shape(B, T, REAL["H"], REAL["HV"], REAL["K"], REAL["V"])
+    return [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator, normalize_keys=False)]
+
+
+def real_pool(P, generator, state_v_first=False, dtype=torch.float32):
+    pool = torch.randn(P, REAL["HV"], REAL["K"], REAL["V"], generator=generator) * 0.1
+    if state_v_first:
+        pool = pool.transpose(-1, -2).contiguous()
+    return pool.to("cuda", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_gpu_pool_verify_commit_bf16(name, state_v_first, pool_dtype, generator):
+    """bf16 inputs, 16/32 heads of 128: pool decode with a padding slot, prefill of packed prompts
+    into the pool (chunk where the spec has one), verify of 4 draft tokens and commit of 0..4,
+    against the oracle (on the GPU in float64)."""
+    rec, mod = recurrence(name), module(name)
+    P = 12
+    pool = real_pool(P, generator, state_v_first, pool_dtype)
+    ref = ReferencePool(pool.float(), state_v_first)
+    limit = GPU_LIMIT
+    errors = {}
+    slots = [7, -1, 2, 11, 0, 5]
+    l2norm = dict(use_qk_l2norm_in_kernel=True)
+    # prefill
+    bounds = [0, 100, 150, 357, 358, 400, 1000]  # the padding slot has 50 tokens
+    tensors = real_inputs(rec, 1, bounds[-1], generator)
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    before = pool.clone()
+    prefill = (mod.chunk if has_chunk(name) else mod.recurrent)
+    with torch.no_grad():
+        o, _ = prefill(*tensors, cu_seqlens=cu, state_pool=pool, state_indices=torch.tensor(slots, device="cuda"),
+                       state_v_first=state_v_first, **l2norm)
+    errors["prefill o"] = relative_error(o, ref.run(rec, tensors, slots, bounds=bounds, **l2norm))
+    errors["prefill rows"] = ref.check(pool, before, {r for r in slots if r >= 0}, limit=limit, what="prefill")
+    # decode
+    tensors = real_inputs(rec, len(slots), 1, generator)
+    before = pool.clone()
+    with torch.no_grad():
+        o, _ = mod.recurrent(*tensors, state_pool=pool, state_indices=torch.tensor(slots, device="cuda"),
+                             state_v_first=state_v_first, **l2norm)
+    errors["decode o"] = relative_error(o, ref.run(rec, tensors, slots, **l2norm))
+    errors["decode rows"] = ref.check(pool, before, {r for r in slots if r >= 0}, limit=limit, what="decode")
+    # verify and commit
+    accepted = [4, 0, 1, 2, 3, 4]
+    tensors = real_inputs(rec, len(slots), 4, generator)
+    before = pool.clone()
+    o, draft = mod.verify(*tensors, state_pool=pool, state_indices=torch.tensor(slots, device="cuda"),
+                          state_v_first=state_v_first, **l2norm)
+    verify_ref = ReferencePool(before.float(), state_v_first)
+    errors["verify o"] = relative_error(o, verify_ref.run(rec, tensors, slots, **l2norm))
+    mod.commit(draft, torch.tensor(accepted, device="cuda"))
+    for n, (row, count) in enumerate(zip(slots, accepted)):
+        if row >= 0:
+            ref.run(rec, [t[n:n + 1, :count] if t.dim() >= 3 else t for t in tensors], [row], **l2norm)
+    errors["commit rows"] = ref.check(pool, before, {r for r in slots if r >= 0}, limit=limit, what="commit")
+    report(spec=name, test="pool", state_v_first=state_v_first, pool=str(pool_dtype), **errors)
+    print(name, state_v_first, pool_dtype, errors)
+    assert all(e <= limit for e in errors.values()), errors
+
+
+def capture(fn):
+    """fn captured in a CUDA graph after one warm-up call on a side stream (kernels compiled)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    allocated = torch.cuda.memory_allocated()
+    with torch.cuda.graph(graph):
+        fn()
+    assert torch.cuda.memory_allocated() == allocated, "the captured call allocated memory"
+    return graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_gpu_graph_replay_decode_verify_commit(name, generator):
+    """Decode, and verify + commit, captured once in CUDA graphs (validate=False, the caller's
+    buffers: no host synchronisation, no allocation) and replayed with new inputs, new slots
+    (one request leaves, another joins) and new accepted counts, against the oracle each time."""
+    rec, mod = recurrence(name), module(name)
+    B, T, P = 4, 4, 8
+    pool = real_pool(P, generator)
+    initial = pool.clone()
+    decode_in = real_inputs(rec, B, 1, generator)
+    draft_in = real_inputs(rec, B, T, generator)
+    indices = torch.tensor([0, 1, 2, 3], device="cuda", dtype=torch.int32)
+    accepted = torch.zeros(B, dtype=torch.int32, device="cuda")
+    out_decode = torch.empty(B, 1, REAL["HV"], REAL["V"], dtype=torch.bfloat16, device="cuda")
+    out_verify = torch.empty(B, T, REAL["HV"], REAL["V"], dtype=torch.bfloat16, device="cuda")
+    _, draft = mod.verify(*draft_in, state_pool=pool, state_indices=indices, use_qk_l2norm_in_kernel=True)
+
+    def decode():
+        mod.recurrent(*decode_in, state_pool=pool, state_indices=indices, validate=False, out=out_decode,
+                      use_qk_l2norm_in_kernel=True)
+
+    def verify_and_commit():
+        mod.verify(*draft_in, state_pool=pool, state_indices=indices, validate=False, out=out_verify, draft=draft,
+                   use_qk_l2norm_in_kernel=True)
+        mod.commit(draft, accepted, validate=False)
+
+    with torch.no_grad():
+        decode_graph, verify_graph = capture(decode), capture(verify_and_commit)
+    pool.copy_(initial)
+    ref = ReferencePool(initial)
+    schedule = [([0, 1, 2, 3], [1, 4, 0, 2]), ([0, -1, 2, 3], [3, 0, 4, 1]), ([0, 6, 2, 3], [2, 2, 2, 2])]
+    for step, (slots, counts) in enumerate(schedule):
+        for static, fresh in zip(decode_in + draft_in, real_inputs(rec, B, 1, generator) + real_inputs(rec, B, T, generator)):
+            static.copy_(fresh)
+        indices.copy_(torch.tensor(slots))
+        accepted.copy_(torch.tensor(counts))
+        live = {r for r in slots if r >= 0}
+        before = pool.clone()
+        decode_graph.replay()
+        torch.cuda.synchronize()
+        error = relative_error(out_decode, ref.run(rec, decode_in, slots, use_qk_l2norm_in_kernel=True))
+        assert error <= GPU_LIMIT, f"replay {step}: decode o {error:.2e}"
+        ref.check(pool, before, live, limit=GPU_LIMIT, what=f"replay {step} decode")
+        before = pool.clone()
+        verify_graph.replay()
+        torch.cuda.synchronize()
+        verify_ref = ReferencePool(before)
+        error = relative_error(out_verify, verify_ref.run(rec, draft_in, slots, use_qk_l2norm_in_kernel=True))
+        assert error <= GPU_LIMIT, f"replay {step}: verify o {error:.2e}"
+        for n, (row, count) in enumerate(zip(slots, counts)):
+            if row >= 0:
+                ref.run(rec, [t[n:n + 1, :count] if t.dim() >= 3 else t for t in draft_in], [row],
+                        use_qk_l2norm_in_kernel=True)
+        ref.check(pool, before, live, limit=GPU_LIMIT, what=f"replay {step} commit")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["gdn", "gdn_qwen35"])
+def test_gpu_16bit_pool_drift(name, dtype, generator):
+    """1,000 decode steps (bf16 inputs, 16/32 heads of 128, 8 sequences) on a 16-bit pool against
+    the same steps on an fp32 pool and the oracle: the errors are printed and reported (GPU_REPORT)
+    and stay within the 16-bit tolerance."""
+    errors = drift(name, dtype, 1000, generator, "cuda", shape=(8, REAL["H"], REAL["HV"], REAL["K"], REAL["V"]),
+                   inputs_dtype=torch.bfloat16)
+    report(spec=name, test="drift", pool=str(dtype), steps=1000, **errors)
+    print(f"{name} {dtype} pool, 1000 steps: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert errors["fp32_state_vs_oracle"] <= GPU_LIMIT
+    assert all(e <= TOLERANCE[dtype] for e in errors.values()), errors
