@@ -124,20 +124,21 @@ def test_custom_ops_pass_opcheck(generator, device):
     h0 = torch.randn(2, 2, 8, 12, generator=generator).to(device)
     pool = torch.randn(4, 2, 8, 12, generator=generator).to(device)
     indices = torch.tensor([3, 0], device=device)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    lq, lk, lv, lg, lbeta, lh0 = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
     scale = 8 ** -0.5
-    calls = [
-        (ops.recurrent, (*leaves, None, scale, True, True, False)),
-        (ops.chunk, (*leaves, None, None, None, scale, True, True, 16, mod.DEFAULT_CHUNK_PLAN, "recompute", "input", False)),
-        (ops.recurrent_pool, (q, k, v, g, beta, pool.clone(), indices, None, scale, True, False, True)),
-        (ops.chunk_pool, (q, k, v, g, beta, pool.clone(), indices, None, None, None, scale, True, 16,
+    calls = [  # the spec's inputs travel as one list
+        (ops.recurrent, (lq, lk, lv, [lg, lbeta], lh0, None, scale, True, True, False)),
+        (ops.chunk, (lq, lk, lv, [lg, lbeta], lh0, None, None, None, scale, True, True, 16, mod.DEFAULT_CHUNK_PLAN,
+                     "recompute", "input", False)),
+        (ops.recurrent_pool, (q, k, v, [g, beta], pool.clone(), indices, None, scale, True, False, True)),
+        (ops.chunk_pool, (q, k, v, [g, beta], pool.clone(), indices, None, None, None, scale, True, 16,
                           mod.DEFAULT_CHUNK_PLAN, "input", False, True)),
-        (ops.verify, (q, k, v, g, beta, pool, indices, None, scale, True, False, True)),
+        (ops.verify, (q, k, v, [g, beta], pool, indices, None, scale, True, False, True)),
     ]
     for op, args in calls:
         results = torch.library.opcheck(op, args)
         assert set(results.values()) == {"SUCCESS"}, (op, results)
-    _, draft_k, draft_u, draft_g = ops.verify(q, k, v, g, beta, pool, indices, None, scale, True, False, True)
+    _, draft_k, draft_u, draft_g = ops.verify(q, k, v, [g, beta], pool, indices, None, scale, True, False, True)
     results = torch.library.opcheck(ops.commit, (pool.clone(), indices, torch.tensor([1, 3], device=device), draft_k,
                                                  draft_u, draft_g, None, False, True))
     assert set(results.values()) == {"SUCCESS"}, results

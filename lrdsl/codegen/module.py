@@ -12,7 +12,7 @@ from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence
 from ..ir.step import StepProgram
 from .chunk import emit_chunk_section
-from .names import CHUNK_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, VERIFY_OPTIONS, forward_options, input_pointer, signature
+from .names import CHUNK_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, VERIFY_OPTIONS, forward_options, signature
 from .printer import HELPERS
 from .recurrent import commit_kernel_name, decay_op, emit_commit_kernel, emit_recurrent_kernel, kernel_name
 from .templating import render
@@ -85,7 +85,6 @@ def emit_module(stages: dict, spec_path: str) -> str:
         "custom_ops.py.jinja",
         namespace=f"lrdsl_{rec.name}_{OPS_KEY_PLACEHOLDER}",
         has_chunk=has_chunk,
-        inputs=[input_pointer(i.name) for i in rec.inputs],
         has_gate=decay_op(stages["step"]) is not None,
         kernel_name=kernel_name(stages["step"]),
     ))
