@@ -20,6 +20,14 @@ other implementation's. A row whose outputs are not finite, or differ from eithe
 dtype's tolerance, is FAILED and gets no ratio. FLA functions are called by keyword, each spec
 input mapped to FLA's parameter by its role (the gate to `g`, beta to `beta`), never by position.
 
+Serving (--serving, at decode shapes; lrdsl only, FLA has no state pool): decode on a state
+pool of 2B rows in random order (fp32 and bf16 state), verify of 4 draft tokens, and verify +
+commit of a random number of them, each eager and as a CUDA-graph replay (validate=False, the
+caller's buffers). Each row is gated by one run on a fresh pool against the oracle (o, and the
+pool rows); TB/s counts the state traffic of the row's kernels (a pool decode reads and writes
+each row once, verify reads it once, verify + commit reads it twice and writes it once), and
+"x pool" is the row's time over the fp32 pool decode's (eager or graph alike).
+
 The harness runs on any device: on a GPU `lrdsl bench` times it; on the CPU the tests drive the
 same row building, gate, keyword mapping and ratios at tiny shapes (timings there mean nothing).
 """
@@ -52,6 +60,12 @@ SHAPE_GROUPS = {"training": TRAINING_SHAPES, "decode": DECODE_SHAPES}
 
 FORWARD, FORWARD_BACKWARD, DECODE, DECODE_GRAPH = "fwd", "fwd+bwd", "decode", "decode graph"
 MODES = (FORWARD, FORWARD_BACKWARD, DECODE, DECODE_GRAPH)
+# --serving rows (lrdsl only): what runs, its state dtype, and state rows read / written per call
+POOL, POOL_BF16, VERIFY, VERIFY_COMMIT = "pool", "pool bf16", "verify", "verify+commit"
+GRAPH = " graph"  # the same call as a CUDA-graph replay
+SERVING_CALLS = {POOL: (torch.float32, 2), POOL_BF16: (torch.bfloat16, 2), VERIFY: (torch.float32, 1),
+                 VERIFY_COMMIT: (torch.float32, 3)}
+DRAFT_TOKENS = 4
 
 # The oracle is a float64 Python loop over tokens (about ten kernel launches per token on a GPU;
 # for gradients autograd keeps about 8.4 MiB per token at 32 heads of 128 x 128). So it runs on
@@ -509,6 +523,7 @@ class BenchRow:
     worst_vs_oracle: str = ""  # which output that is
     diff_vs_other: float | None = None  # the worst relative difference from the other implementation
     ratio: float | None = None  # FLA ms / this row's ms: lrdsl rows where both rows are ok
+    vs_pool: float | None = None  # serving rows: this row's ms / the fp32 pool decode's (same timing kind)
 
     @property
     def ok(self) -> bool:
@@ -681,9 +696,10 @@ class SpecUnderTest:
 
 def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda", dtype=torch.bfloat16,
           seed: int = 0, importer=importlib.import_module, oracle_tokens: int = ORACLE_TOKENS,
-          on_rows=None, on_note=None) -> list[BenchRow]:
+          on_rows=None, on_note=None, serving: bool = False) -> list[BenchRow]:
     """Rows for every spec x shape x mode: FLA's (where it has a counterpart and is installed),
-    then lrdsl's per plan (None: the module's default plan), each gated on correctness.
+    then lrdsl's per plan (None: the module's default plan), each gated on correctness; with
+    `serving`, the serving rows at each decode shape after its decode rows.
     `on_rows` gets each group's rows as soon as they exist (a long run shows progress), `on_note`
     one-line notes (a skipped shape)."""
     rows: list[BenchRow] = []
@@ -722,8 +738,138 @@ def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda
                 if on_rows is not None:
                     on_rows(group)
             del call, oracle
+            if serving and decode:
+                group = serving_rows(spec, shape, device, dtype, generator, measure, tolerance)
+                rows += group
+                if on_rows is not None:
+                    on_rows(group)
             if device == "cuda":
                 torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving rows: a state pool, verify and commit (lrdsl only)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServingCase:
+    """The inputs of every serving row at one decode shape, and the oracle's results for them."""
+
+    decode: tuple  # one token per sequence: q, k, v, the spec's inputs
+    drafts: tuple  # DRAFT_TOKENS tokens per sequence
+    indices: torch.Tensor  # [B] int32: B distinct rows of a pool of 2B, in random order
+    accepted: torch.Tensor  # [B] int32 in 0 .. DRAFT_TOKENS
+    start: dict  # state dtype -> the pool's start [2B, HV, K, V] (bf16: the fp32 start rounded)
+    expected: dict  # call -> {output name: the oracle's float64 tensor}
+
+
+def make_serving_case(rec: Recurrence, shape: Shape, dtype, device, generator) -> ServingCase:
+    B, P = shape.B, 2 * shape.B
+    decode = tuple(t.to(device) for t in make_inputs(rec, shape, dtype=dtype, generator=generator, normalize_keys=False))
+    drafts = tuple(t.to(device) for t in make_inputs(rec, replace(shape, T=DRAFT_TOKENS), dtype=dtype, generator=generator,
+                                                     normalize_keys=False))
+    indices = torch.randperm(P, generator=generator)[:B].to(device, torch.int32)
+    accepted = torch.randint(0, DRAFT_TOKENS + 1, (B,), generator=generator).to(device, torch.int32)
+    start32 = (torch.randn(P, shape.HV, shape.K, shape.V, generator=generator) * 0.1).to(device)
+    start = {torch.float32: start32, torch.bfloat16: start32.to(torch.bfloat16)}
+    options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    expected = {}
+    for call in (POOL, POOL_BF16):
+        h0 = start[SERVING_CALLS[call][0]].double()[indices.long()]
+        o, final = reference.run(rec, *decode, initial_state=h0, **options)
+        expected[call] = {"o": o, "pool rows": final}
+    h0 = start32.double()[indices.long()]
+    o, _ = reference.run(rec, *drafts, initial_state=h0, **options)
+    expected[VERIFY] = {"o": o}
+    # commit: each sequence's accepted tokens, packed into one varlen call of the oracle
+    counts = accepted.long().cpu()
+    per_token = [True] * 3 + [i.role.per_token for i in rec.inputs]
+    packed = [torch.cat([x[n, :counts[n]] for n in range(B)])[None] if p else x for x, p in zip(drafts, per_token)]
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    _, final = reference.run(rec, *packed, initial_state=h0, cu_seqlens=bounds, **options)
+    expected[VERIFY_COMMIT] = {"o": o, "pool rows": final}
+    return ServingCase(decode, drafts, indices, accepted, start, expected)
+
+
+def serving_call(module, case: ServingCase, call: str, pool, validate: bool, buffers: dict):
+    """One serving call on `pool`: returns its outputs by name (o; the pool's rows of the batch
+    where the call writes the pool). `buffers` holds o's buffer and the Draft, made on the first
+    call (a graph replays into them)."""
+    common = dict(state_pool=pool, state_indices=case.indices, validate=validate, use_qk_l2norm_in_kernel=True)
+    if call in (POOL, POOL_BF16):
+        o, _ = module.recurrent(*case.decode, out=buffers.get("o"), **common)
+        buffers["o"] = o
+        return {"o": o}
+    o, draft = module.verify(*case.drafts, out=buffers.get("o"), draft=buffers.get("draft"), **common)
+    buffers.update(o=o, draft=draft)
+    if call == VERIFY_COMMIT:
+        module.commit(draft, case.accepted, validate=validate)
+    return {"o": o}
+
+
+def serving_gate(module, case: ServingCase, call: str, tolerance: float) -> tuple[float, str, list[str]]:
+    """(worst error vs the oracle, its name, failures) of one call on a fresh pool."""
+    state_dtype = SERVING_CALLS[call][0]
+    pool = case.start[state_dtype].clone()
+    with torch.no_grad():
+        outputs = serving_call(module, case, call, pool, validate=True, buffers={})
+    if call != VERIFY:
+        outputs["pool rows"] = pool[case.indices.long()]
+        others = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+        others[case.indices.long()] = False
+        if not torch.equal(pool[others], case.start[state_dtype][others]):
+            return math.inf, "pool rows", ["a pool row no sequence uses changed"]
+    error, worst = worst_error(outputs, case.expected[call])
+    failures = broken_outputs(outputs)
+    if state_dtype == torch.bfloat16:  # the rows are rounded to bf16 whatever the inputs' dtype
+        tolerance = max(tolerance, TOLERANCE[torch.bfloat16])
+    if error > tolerance:
+        failures.append(f"{worst} differs from the float64 oracle by {error:.1e}")
+    return error, worst, failures
+
+
+def serving_state_bytes(shape: Shape, call: str) -> int:
+    state_dtype, passes = SERVING_CALLS[call]
+    element = 2 if state_dtype == torch.bfloat16 else 4
+    return passes * shape.B * shape.HV * shape.K * shape.V * element
+
+
+def serving_rows(spec: SpecUnderTest, shape: Shape, device: str, dtype, generator, measure: dict,
+                 tolerance: float) -> list[BenchRow]:
+    """Every serving call at one decode shape, eager and (on a GPU) as a graph replay, each gated
+    on one run against the oracle, then timed on a pool of its own."""
+    case = make_serving_case(spec.rec, shape, dtype, device, generator)
+    timings = [(DECODE, "")] + ([(DECODE_GRAPH, GRAPH)] if device == "cuda" else [])
+    rows, pool_ms = [], {}
+    for call in SERVING_CALLS:
+        try:
+            error, worst, failures = serving_gate(spec.module, case, call, tolerance)
+        except Exception as exc:
+            error, worst, failures = None, "", [f"{type(exc).__name__}: {_first_line(exc)}"]
+        for timing, suffix in timings:
+            pool = case.start[SERVING_CALLS[call][0]].clone()
+            buffers: dict = {}
+            reasons = list(failures)
+            ms = None
+            if not reasons:
+                try:
+                    with torch.no_grad():
+                        serving_call(spec.module, case, call, pool, validate=False, buffers=buffers)  # buffers, compiled kernels
+                        ms = measure[timing](lambda: serving_call(spec.module, case, call, pool, False, buffers), 0).ms
+                except Exception as exc:
+                    reasons.append(f"{type(exc).__name__}: {_first_line(exc)}")
+            if call == POOL and ms is not None:
+                pool_ms[timing] = ms
+            rows.append(BenchRow(
+                spec=spec.name, mode=call + suffix, shape=shape_label(shape), impl=LRDSL,
+                kernel="verify+commit" if call == VERIFY_COMMIT else ("verify" if call == VERIFY else "recurrent[pool]"),
+                path=LRDSL, status="FAILED" if reasons else "ok", reason="; ".join(reasons), ms=ms,
+                state_tbps=serving_state_bytes(shape, call) / (ms * 1e-3) / 1e12 if ms else None,
+                err_vs_oracle=error, worst_vs_oracle=worst,
+                vs_pool=ms / pool_ms[timing] if ms and pool_ms.get(timing) else None,
+            ))
     return rows
 
 
@@ -731,9 +877,9 @@ def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda
 # Output: table, ratio summary, JSON, plot
 # ---------------------------------------------------------------------------------------------
 
-_COLUMNS = (("spec", 10), ("mode", 12), ("shape", 15), ("impl", 8), ("kernel", 32), ("path", 10),
+_COLUMNS = (("spec", 10), ("mode", 19), ("shape", 15), ("impl", 8), ("kernel", 32), ("path", 10),
             ("time", 11), ("rate", 13), ("peak MiB", 8), ("cold s", 6), ("vs oracle", 9), ("vs other", 8),
-            ("FLA/lrdsl", 9), ("status", 0))
+            ("FLA/lrdsl", 9), ("x pool", 6), ("status", 0))
 HEADER = " ".join(f"{name:<{width}}" if width else name for name, width in _COLUMNS)
 
 
@@ -743,14 +889,14 @@ def format_row(r: BenchRow) -> str:
 
     if r.ms is None:
         time_text = rate = "-"
-    elif r.mode in (DECODE, DECODE_GRAPH):
+    elif r.state_tbps is not None or r.mode in (DECODE, DECODE_GRAPH):
         time_text, rate = f"{r.ms * 1e3:.1f} us", f"{number(r.state_tbps, '.2f')} TB/s"
     else:
         time_text, rate = f"{r.ms:.3f} ms", f"{number(r.tflops, '.1f')} TFLOP/s"
     status = r.status if r.ok else f"FAILED: {r.reason}"
     cells = [r.spec, r.mode, r.shape, r.impl, r.kernel, r.path, time_text, rate, number(r.peak_mib, ".0f"),
              number(r.cold_s, ".1f"), number(r.err_vs_oracle, ".1e"), number(r.diff_vs_other, ".1e"),
-             number(r.ratio, ".2f"), status]
+             number(r.ratio, ".2f"), number(r.vs_pool, ".2f"), status]
     return " ".join(f"{cell:<{width}}" if width else cell for cell, (_, width) in zip(cells, _COLUMNS))
 
 
@@ -759,7 +905,7 @@ def ratio_summary(rows: list[BenchRow]) -> dict:
     first plan asked for)."""
     groups: dict = {}
     for r in rows:
-        if r.impl != LRDSL:
+        if r.impl != LRDSL or r.mode not in MODES:  # serving rows have no FLA counterpart
             continue
         modes = groups.setdefault((r.spec, r.shape), {})
         if r.mode in modes:

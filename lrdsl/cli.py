@@ -288,7 +288,7 @@ def _bench_on_gpu(args, spec_paths, shapes, plans) -> int:
             print(format_row(row), flush=True)
 
     rows = bench(specs, shapes, plans=plans, backward=args.backward, seed=args.seed, on_rows=show,
-                 on_note=lambda text: print(f"note: {text}", flush=True))
+                 on_note=lambda text: print(f"note: {text}", flush=True), serving=args.serving)
     return _bench_report(rows, args, print_rows=False)  # the rows were printed as they came
 
 
@@ -335,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "BxTxHxHV[xKxV]; T = 1 is decode (default training)")
     p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: the module's default plan)")
     p.add_argument("--backward", action="store_true", help="also time forward + backward (training shapes)")
+    p.add_argument("--serving", action="store_true",
+                   help="also time, at decode shapes, decode on a state pool (fp32 and bf16 state), verify of 4 draft "
+                        "tokens and verify + commit, eager and as CUDA-graph replays (lrdsl only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG of FLA / lrdsl per shape (needs matplotlib)")

@@ -14,8 +14,10 @@ kernels generated for exactly it, none hand-written:
     g=None (fused_recurrent only)              no decay
 
 chunk_size (16, 32, 64) and cu_seqlens_cpu (chunk indices built on the host, no device
-synchronisation) are honoured; `state_v_first=True` and every option lrdsl does not implement
-raise an error rather than being ignored. Bad tensors raise the generated module's InputError (a
+synchronisation) are honoured; `state_v_first=True` (states [N, HV, V, K], the layout serving
+engines keep) is a layout option of the generated kernels, which read and write states in it
+(no transposed copy); every option lrdsl does not implement raises an error rather than being
+ignored. Bad tensors raise the generated module's InputError (a
 ValueError) with one line naming the tensor and the expected shape.
 """
 from __future__ import annotations
@@ -114,16 +116,17 @@ def _fail(fn: str, message: str):
     raise OptionError(f"{fn}: {message}")
 
 
-def _state_layout(fn: str, state_v_first: bool, kwargs: dict) -> None:
+def _state_layout(fn: str, state_v_first: bool, kwargs: dict) -> bool:
+    """state_v_first as a bool (FLA's deprecated `transpose_state_layout` taken too)."""
     if "transpose_state_layout" in kwargs:  # FLA's deprecated name for state_v_first
         if state_v_first:
             _fail(fn, "pass either state_v_first or the deprecated transpose_state_layout, not both")
         warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
                       stacklevel=3)
         state_v_first = kwargs.pop("transpose_state_layout")
-    if state_v_first:
-        _fail(fn, "state_v_first=True (states stored [N, HV, V, K]) is not implemented yet: the generated kernels "
-                  "keep states [N, HV, K, V]")
+    if not isinstance(state_v_first, bool):
+        _fail(fn, f"state_v_first must be True or False, got {state_v_first!r}")
+    return state_v_first
 
 
 def _reject_unknown(fn: str, kwargs: dict, known: tuple[str, ...]) -> None:
@@ -181,11 +184,11 @@ def chunk_gated_delta_rule(
 
     Keyword options as in FLA: chunk_size (16, 32, 64; default 64), use_gate_in_kernel with
     A_log [HV] and dt_bias [HV] (g is then the raw gate). g=None: no decay (FLA requires g).
-    cp_context (context parallelism) and
-    state_v_first=True are not supported and raise.
+    state_v_first=True: initial and final states [N, HV, V, K]. cp_context (context
+    parallelism) is not supported and raises.
     """
     fn = "chunk_gated_delta_rule"
-    _state_layout(fn, state_v_first, kwargs)
+    state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _CHUNK_KEYWORDS)
     if cp_context is not None:
         _fail(fn, "cp_context (context parallelism) is not supported")
@@ -201,7 +204,7 @@ def chunk_gated_delta_rule(
     return module.chunk(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
-        chunk_indices=chunks,
+        chunk_indices=chunks, state_v_first=state_v_first,
     )
 
 
@@ -229,12 +232,12 @@ def fused_recurrent_gated_delta_rule(
     """FLA's fused_recurrent_gated_delta_rule on lrdsl's token-by-token kernel (decode):
     (o [B, T, HV, V], final state [N, HV, K, V] fp32 or None).
 
-    g=None: no decay; beta=None: beta = 1 (as in FLA). gk and gv (per-key and per-value decays)
-    and state_v_first=True are not supported and raise. Unlike FLA's, it is differentiable (the
-    backward is the chunked one).
+    g=None: no decay; beta=None: beta = 1 (as in FLA). state_v_first=True: initial and final
+    states [N, HV, V, K]. gk and gv (per-key and per-value decays) are not supported and raise.
+    Unlike FLA's, it is differentiable (the backward is the chunked one).
     """
     fn = "fused_recurrent_gated_delta_rule"
-    _state_layout(fn, state_v_first, kwargs)
+    state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, ())
     if gk is not None or gv is not None:
         _fail(fn, "gk and gv (per-key and per-value decays) are not supported: pass the scalar decay g [B, T, HV]")
@@ -246,7 +249,7 @@ def fused_recurrent_gated_delta_rule(
     extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
     return module.recurrent(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
     )
 
 

@@ -80,12 +80,12 @@ class _LaunchRecorder:
         def on_cpu(t):
             return None if t is None else torch.empty(t.shape, dtype=t.dtype)
 
-        def check_shapes(fn, kernel, q, k, v, extras, scale, initial_state, cu_seqlens):
+        def check_shapes(fn, kernel, q, k, v, extras, scale, initial_state, cu_seqlens, **options):
             interpreted = self.module._is_interpreted
             self.module._is_interpreted = lambda kernel: True
             try:
                 return check(fn, kernel, on_cpu(q), on_cpu(k), on_cpu(v), tuple(map(on_cpu, extras)), scale,
-                             on_cpu(initial_state), cu_seqlens)
+                             on_cpu(initial_state), cu_seqlens, **options)
             finally:
                 self.module._is_interpreted = interpreted
 
@@ -116,7 +116,12 @@ def _compile(fn, args, kwargs, arch: int):
             signature[name] = _signature_type(value)
     source = ASTSource(fn, signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 128), options=options)
-    return compiled, options, {k: v for k, v in bound.items() if k in ("BV",)}
+    shown = {k: v for k, v in bound.items() if k == "BV" or (k in SERVING_FLAGS and v)}
+    return compiled, options, shown
+
+
+# The recurrent kernel's serving variants, each its own compilation (shown in the report when on)
+SERVING_FLAGS = ("USE_POOL", "STATE_V_FIRST", "SAVE_DRAFT")
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -140,9 +145,10 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
 
 def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90, chunk_size=None) -> list[KernelResources]:
     """Compile every kernel that chunk calls (forward and backward, every plan; chunk_size None:
-    the default for the precision) and a recurrent call launch, each once per distinct
-    specialisation. The calls take an initial state and both outputs' gradients: the kernels'
-    longest variants."""
+    the default for the precision), a recurrent call and the serving calls (decode on a bf16 pool
+    kept [P, HV, V, K], verify and commit on an fp32 pool) launch, each once per distinct
+    specialisation. The chunk and recurrent calls take an initial state and both outputs'
+    gradients: the kernels' longest variants."""
     import torch
 
     from .workloads import make_inputs
@@ -159,6 +165,15 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
                                  chunk_size=chunk_size, **options)
             (o.sum() + ht.sum()).backward()
         module.recurrent(*tensors, initial_state=h0, **options)
+        plain = [t.detach() for t in tensors]
+        rows = (shape.B, shape.HV, shape.K, shape.V)
+        indices = torch.empty(shape.B, dtype=torch.int32, device="meta")
+        pool = torch.empty(rows[0], rows[1], rows[3], rows[2], dtype=torch.bfloat16, device="meta")
+        module.recurrent(*plain, use_qk_l2norm_in_kernel=True, state_pool=pool, state_indices=indices, state_v_first=True,
+                         validate=False)
+        _, draft = module.verify(*plain, use_qk_l2norm_in_kernel=True, state_pool=torch.empty(rows, device="meta"),
+                                 state_indices=indices, validate=False)
+        module.commit(draft, indices, validate=False)
     seen, report = set(), []
     for fn, args, kwargs in recorder.launches:
         key = (fn.__name__, repr(args), repr(sorted(kwargs.items())))  # meta tensors print as shape and dtype

@@ -341,6 +341,30 @@ def test_without_fla_the_rows_are_lrdsl_only_gated_by_the_oracle_and_without_rat
     assert bench.ratio_summary(rows)[("simple_gla", "1x7x1x2x8x8")] == {"fwd": "no FLA", "fwd+bwd": "no FLA"}
 
 
+def test_serving_rows_are_gated_on_the_oracle_and_compared_with_the_pool_decode():
+    """--serving: pool decode (fp32 and bf16 state), verify and verify + commit, each gated by a
+    run on a fresh pool against the oracle (o and the pool rows) and timed relative to the fp32
+    pool decode (graph replays only on a GPU); a commit that writes nothing fails its row."""
+    spec = bench.SpecUnderTest("gdn", recurrence("gdn"), module("gdn"))
+    seed = int(torch.seed() % 2**31)
+    print(f"[seed {seed}]")
+    rows = bench.bench([spec], [TINY_DECODE], device="cpu", dtype=torch.float32, seed=seed, importer=_no_fla, serving=True)
+    serving = [r for r in rows if r.mode in bench.SERVING_CALLS]
+    assert [r.mode for r in serving] == ["pool", "pool bf16", "verify", "verify+commit"]
+    for r in serving:
+        assert r.ok, r
+        assert r.err_vs_oracle <= (8e-3 if r.mode == "pool bf16" else 2e-3), r
+        assert r.state_tbps > 0 and r.vs_pool > 0 and r.ratio is None
+    assert serving[0].vs_pool == 1.0
+    assert "pool" not in bench.format_summary(rows) and bench.format_row(serving[3]).split()[-2] == f"{serving[3].vs_pool:.2f}"
+    assert bench.serving_state_bytes(TINY_DECODE, "verify+commit") == 3 * 2 * 2 * 16 * 16 * 4
+    lazy = types.SimpleNamespace(recurrent=spec.module.recurrent, verify=spec.module.verify, commit=lambda *a, **k: None)
+    rows = bench.serving_rows(bench.SpecUnderTest("gdn", spec.rec, lazy), TINY_DECODE, "cpu", torch.float32,
+                              torch.Generator().manual_seed(seed), bench.measurers("cpu"), 2e-3)
+    failed = {r.mode: r for r in rows if not r.ok}
+    assert list(failed) == ["verify+commit"] and "pool rows differs from the float64 oracle" in failed["verify+commit"].reason
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole harness on lrdsl's kernels (Triton's interpreter) against the fake fla-core
 # ---------------------------------------------------------------------------------------------
@@ -514,3 +538,14 @@ def test_harness_on_gpu_times_decode_as_a_graph_replay_and_gates_every_row():
         theirs = next(r for r in rows if r.impl == "fla-core" and r.mode == ours.mode)
         assert (ours.ratio is not None) == (ours.ok and theirs.ok)
     assert all(r.peak_mib > 0 for r in rows if r.mode != "decode graph")
+
+
+@pytest.mark.gpu
+def test_serving_rows_on_gpu_include_graph_replays():
+    spec = bench.SpecUnderTest("gdn", recurrence("gdn"), module("gdn"))
+    rows = bench.bench([spec], [Shape(8, 1, 2, 4, 128, 128)], device="cuda", importer=_no_fla, serving=True)
+    for r in rows:
+        print(bench.format_row(r))
+    serving = [r for r in rows if r.mode.split(" graph")[0] in bench.SERVING_CALLS]
+    assert [r.mode for r in serving] == [m + suffix for m in bench.SERVING_CALLS for suffix in ("", " graph")]
+    assert all(r.ok and r.ms > 0 and r.err_vs_oracle <= 8e-3 for r in serving), [r.reason for r in serving]

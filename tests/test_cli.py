@@ -307,6 +307,20 @@ def test_profile_script_with_bad_arguments_is_one_line():
     assert_one_profile_error(result.returncode, result.stderr, "expected four positive integers B T H HV")
 
 
+@pytest.mark.parametrize("arguments, fragment", [
+    (["gdn"], "needs a CUDA GPU"),
+    (["gdn", "--blocks", "32,x"], "--blocks must be comma-separated positive integers, got '32,x'"),
+])
+def test_decode_sweep_script_errors_are_one_line(arguments, fragment):
+    script = ROOT / "scripts" / "sweep_decode.py"
+    environment = user_environment(CUDA_VISIBLE_DEVICES="")  # no GPU, even on a GPU machine
+    result = subprocess.run([sys.executable, str(script), *arguments], cwd=ROOT, env=environment, capture_output=True,
+                            text=True, timeout=600)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("sweep_decode.py: error: ") and fragment in lines[0], lines
+
+
 def test_profile_script_without_fla_core_is_one_line(monkeypatch, capsys):
     """Past the GPU check (pretended here), a machine without fla-core gets one line too."""
     import runpy

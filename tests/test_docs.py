@@ -162,9 +162,9 @@ def test_readme_main_command_runs():
 
 # -- the Python examples --------------------------------------------------------------------------
 
-def test_the_documents_have_three_python_examples():
-    """The three below (kernels, the layer, the FLA-compatible ops); a new example needs a test of its own."""
-    assert [len(fenced_blocks(path, "python")) for path in DOCUMENTS] == [3, 0]
+def test_the_documents_have_four_python_examples():
+    """The four below (kernels, the layer, the FLA-compatible ops, serving); a new example needs a test of its own."""
+    assert [len(fenced_blocks(path, "python")) for path in DOCUMENTS] == [4, 0]
 
 
 def test_readme_python_example(generator, monkeypatch):
@@ -232,6 +232,43 @@ def test_readme_ops_example(generator):
     ref_o, ref_ht = reference.run(rec, q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert_close(o, ref_o, torch.float32, "ops chunk o")
     assert_close(ht, ref_ht, torch.float32, "ops chunk final state")
+
+
+def test_readme_serving_example(generator, monkeypatch):
+    """The serving example as written: prompts of 6, 0 and 9 tokens prefilled into rows 4, 0, 2 of
+    a pool of 5; a decode step and a verify of 4 drafts on slots (2, -1, 4); commit of 3 and 1."""
+    example = fenced_blocks(ROOT / "README.md", "python")[3]
+    monkeypatch.chdir(ROOT)
+    import lrdsl
+
+    rec, mod = recurrence("gdn"), lrdsl.load("gdn")
+    P, HV, K, V = 5, 2, 16, 24
+    prompt = make_inputs(rec, Shape(1, 15, 1, HV, K, V), generator=generator)
+    step = make_inputs(rec, Shape(3, 1, 1, HV, K, V), generator=generator)
+    drafts = make_inputs(rec, Shape(3, 4, 1, HV, K, V), generator=generator)
+    namespace = dict(torch=torch, mod=mod, P=P, HV=HV, K=K, V=V, cu_seqlens=torch.tensor([0, 6, 6, 15]),
+                     rows=torch.tensor([4, 0, 2]), slots=torch.tensor([2, -1, 4]), num_accepted=torch.tensor([3, 0, 1]))
+    for suffix, tensors in (("", prompt), ("1", step), ("4", drafts)):
+        namespace.update({name + suffix: t for name, t in zip(("q", "k", "v", "g", "beta"), tensors)})
+    with torch.no_grad():
+        exec(compile(example, "README.md serving example", "exec"), namespace)
+
+    states = torch.zeros(P, HV, K, V, dtype=torch.float64)
+    ref_o, final = reference.run(rec, *prompt, cu_seqlens=torch.tensor([0, 6, 6, 15]), output_final_state=True)
+    states[[4, 0, 2]] = final
+    assert_close(namespace["o"], ref_o, torch.float32, "prefill o")
+    ref_o1, final = reference.run(rec, *step, initial_state=states[[2, 0, 4]], output_final_state=True)
+    ref_o1[1] = 0  # the padding slot
+    assert_close(namespace["o1"], ref_o1, torch.float32, "decode o")
+    states[2], states[4] = final[0], final[2]
+    ref_o4, _ = reference.run(rec, *drafts, initial_state=states[[2, 0, 4]])
+    ref_o4[1] = 0
+    assert_close(namespace["o4"], ref_o4, torch.float32, "verify o")
+    for n, row, accepted in ((0, 2, 3), (2, 4, 1)):  # slot, its row, its accepted drafts
+        _, final = reference.run(rec, *[t[n:n + 1, :accepted] for t in drafts], initial_state=states[row][None],
+                                 output_final_state=True)
+        states[row] = final[0]
+    assert_close(namespace["pool"], states, torch.float32, "pool after commit")
 
 
 def test_readme_varlen_recipe(generator, monkeypatch):

@@ -193,8 +193,7 @@ def test_unsupported_options_raise(generator, device):
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
     chunk, recurrent = ops.chunk_gated_delta_rule, ops.fused_recurrent_gated_delta_rule
     cases = [
-        (lambda: chunk(q, k, v, g, beta, state_v_first=True), "state_v_first=True .* not implemented yet"),
-        (lambda: recurrent(q, k, v, g, beta=beta, state_v_first=True), "state_v_first=True .* not implemented yet"),
+        (lambda: chunk(q, k, v, g, beta, state_v_first="yes"), "state_v_first must be True or False"),
         (lambda: chunk(q, k, v, g, beta, cp_context=object()), "cp_context .* is not supported"),
         (lambda: chunk(q, k, v, g, beta, chunk_size=128), "chunk_size must be 16, 32 or 64, got 128"),
         (lambda: chunk(q, k, v, g, beta, head_first=False), "head_first was removed"),
@@ -210,7 +209,59 @@ def test_unsupported_options_raise(generator, device):
         with pytest.raises(ops.OptionError, match=message) as caught:
             call()
         assert "\n" not in str(caught.value)
-    with pytest.warns(DeprecationWarning, match="transpose_state_layout"), pytest.raises(ops.OptionError, match="state_v_first"):
-        chunk(q, k, v, g, beta, transpose_state_layout=True)
+    with pytest.raises(ValueError, match=r"initial_state must be \[N, HV, V, K\] = \[1, 2, 8, 16\]"):
+        chunk(q, k, v, g, beta, initial_state=x["initial_state"], state_v_first=True)  # [N, HV, K, V] given
     with pytest.raises(ValueError, match=r"v must be \[B, T, HV, V\]"):
         chunk(q, k, v[:, :2], g, beta)
+
+
+def transposed(state):
+    return state.transpose(-1, -2).contiguous()
+
+
+@pytest.mark.parametrize("deprecated_name", [False, True])
+def test_chunk_state_v_first_against_the_oracle(generator, device, deprecated_name):
+    """state_v_first=True: the initial state is read and the final state written [N, HV, V, K]
+    by the kernels themselves; outputs, final state and every gradient (the initial state's in
+    that layout too) against the oracle. FLA's deprecated transpose_state_layout is the same,
+    with a warning."""
+    gate, beta = "in_kernel_dt_bias", "sigmoid"
+    tensors = make_inputs(generator, gate, beta, T=20, H=1, HV=2, K=16, V=8)
+    tensors["initial_state"] = transposed(tensors["initial_state"])
+    x = leaves(tensors, device)
+    layout = {"transpose_state_layout": True} if deprecated_name else {"state_v_first": True}
+    if deprecated_name:
+        with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+            o, ht = call_chunk(x, gate, beta, chunk_size=16, **layout)
+    else:
+        o, ht = call_chunk(x, gate, beta, chunk_size=16, **layout)
+    assert ht.shape == (1, 2, 8, 16) and ht.is_contiguous()
+    x_ref = leaves(tensors)
+    x_ref_k_first = dict(x_ref, initial_state=x_ref["initial_state"].transpose(-1, -2))
+    (o_ref, ht_ref), _ = oracle(x_ref_k_first, gate, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ht_ref = ht_ref.transpose(-1, -2)
+    assert relative_error(o, o_ref) <= TOL
+    assert relative_error(ht, ht_ref) <= TOL
+    do = torch.randn(o.shape, generator=generator, dtype=torch.float64)
+    dht = torch.randn(ht.shape, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad((o, ht), list(x.values()), (do.to(device, torch.float32), dht.to(device, torch.float32)))
+    expected = torch.autograd.grad((o_ref, ht_ref), list(x_ref.values()), (do, dht))
+    for name, a, b in zip(x, got, expected):
+        assert a.shape == b.shape, f"d{name}"
+        assert relative_error(a, b) <= TOL, f"d{name}"
+
+
+@pytest.mark.parametrize("gate", ["log", "none"])
+def test_fused_recurrent_state_v_first_against_the_oracle(generator, device, gate):
+    tensors = make_inputs(generator, gate, "given", B=2, T=5)
+    tensors["initial_state"] = transposed(tensors["initial_state"])
+    x = on(device, tensors)
+    with torch.no_grad():
+        o, ht = ops.fused_recurrent_gated_delta_rule(
+            x["q"], x["k"], x["v"], g=x.get("g"), beta=x["beta"], initial_state=x["initial_state"],
+            output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True)
+    k_first = dict(tensors, initial_state=tensors["initial_state"].transpose(-1, -2))
+    (o_ref, ht_ref), _ = oracle(k_first, gate, "given", output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert ht.shape == (2, 2, 8, 16)
+    assert relative_error(o, o_ref) <= TOL
+    assert relative_error(ht, ht_ref.transpose(-1, -2)) <= TOL

@@ -5,14 +5,16 @@ caches and imports it.
 """
 from __future__ import annotations
 
+import hashlib
+
 from .. import __version__
 from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence
 from ..ir.step import StepProgram
 from .chunk import emit_chunk_section
-from .names import CHUNK_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, forward_options, signature
+from .names import CHUNK_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, VERIFY_OPTIONS, forward_options, signature
 from .printer import HELPERS
-from .recurrent import emit_recurrent_kernel, kernel_name
+from .recurrent import commit_kernel_name, decay_op, emit_commit_kernel, emit_recurrent_kernel, kernel_name
 from .templating import render
 
 # Launch defaults of the recurrent kernel: value columns per program and warps.
@@ -25,21 +27,42 @@ def _positional(rec: Recurrence) -> list[str]:
     return list(POSITIONAL) + [i.name for i in rec.inputs]
 
 
+def _draft_g_shape(step: StepProgram) -> tuple[str, str]:
+    """(as the Draft docstring writes it, as _draft_shapes returns it) of a Draft's g."""
+    decay = decay_op(step)
+    if decay is None:
+        return "None (no gate)", "None"
+    return ("[B, T, HV, K]", "(B, T, HV, K)") if decay.per_key else ("[B, T, HV]", "(B, T, HV)")
+
+
 def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> str:
     rec = step.recurrence
+    g_shape, g_tuple = _draft_g_shape(step)
     return render(
         "recurrent_api.py.jinja",
         has_chunk=no_chunk_reason is None,
         no_chunk_reason=no_chunk_reason or "",
-        kernel=emit_recurrent_kernel(step),
+        kernel=emit_recurrent_kernel(step).rstrip("\n"),
         kernel_name=kernel_name(step),
+        commit_kernel=emit_commit_kernel(step).rstrip("\n"),
+        commit_kernel_name=commit_kernel_name(step),
         spec_name=rec.name,
         positional=", ".join(_positional(rec)),
         signature=signature(_positional(rec), RECURRENT_OPTIONS),
         forward_options=forward_options(RECURRENT_OPTIONS),
+        verify_signature=signature(_positional(rec), VERIFY_OPTIONS),
+        verify_forward_options=forward_options(VERIFY_OPTIONS),
+        draft_g_shape=g_shape,
+        draft_g_tuple=g_tuple,
         block_v=RECURRENT_BLOCK_V,
         num_warps=RECURRENT_NUM_WARPS,
     )
+
+
+# The custom ops' namespace holds a hash of the module's text: modules of two specs that share a
+# name (or of one spec compiled by two lrdsl versions) register ops of their own, and loading the
+# same text twice registers the same ops again.
+OPS_KEY_PLACEHOLDER = "@@LRDSL_OPS_KEY@@"
 
 
 def emit_module(stages: dict, spec_path: str) -> str:
@@ -48,15 +71,25 @@ def emit_module(stages: dict, spec_path: str) -> str:
     if not isinstance(stages["save"], NoChunkForm):
         signatures[0] += "   [differentiable]"
     plans = stages["save"]
-    sections = [emit_recurrent_section(stages["step"], plans.reason if isinstance(plans, NoChunkForm) else None)]
-    if isinstance(plans, NoChunkForm):
+    has_chunk = not isinstance(plans, NoChunkForm)
+    signatures.append(f"verify({signature(_positional(rec), VERIFY_OPTIONS)}) -> (o, Draft)")
+    signatures.append("commit(draft, num_accepted, validate=True)")
+    sections = [emit_recurrent_section(stages["step"], None if has_chunk else plans.reason)]
+    if not has_chunk:
         signatures.append(f"chunk: not generated ({plans.reason}); mod.chunk raises an AttributeError that says so")
     else:
         signatures.append(f"chunk({signature(_positional(rec), CHUNK_OPTIONS)}) -> (o, final_state | None)   [differentiable]")
         signatures.append("prepare_varlen(cu_seqlens, chunk_size=64) -> VarlenChunks, for chunk(..., chunk_indices=)")
         sections.append(emit_chunk_section(plans, _positional(rec)))
+    sections.append(render(
+        "custom_ops.py.jinja",
+        namespace=f"lrdsl_{rec.name}_{OPS_KEY_PLACEHOLDER}",
+        has_chunk=has_chunk,
+        has_gate=decay_op(stages["step"]) is not None,
+        kernel_name=kernel_name(stages["step"]),
+    ))
     inputs_tuple = "(" + "".join(f"({i.name!r}, {i.role.value!r}), " for i in rec.inputs) + ")"
-    return render(
+    source = render(
         "module.py.jinja",
         spec_name=rec.name,
         spec_path=spec_path,
@@ -67,3 +100,5 @@ def emit_module(stages: dict, spec_path: str) -> str:
         helpers=HELPERS,
         sections="\n\n".join(sections),
     )
+    ops_key = hashlib.sha256(source.encode()).hexdigest()[:12]
+    return source.replace(OPS_KEY_PLACEHOLDER, ops_key)

@@ -28,20 +28,44 @@ INPUT_PREFIX = "in_"
 POSITIONAL = ("q", "k", "v")
 
 # The keyword options of the public functions (name, default as source text), in order.
-RECURRENT_OPTIONS = (
+_CALL_OPTIONS = (
     ("scale", "None"),
     ("initial_state", "None"),
     ("output_final_state", "False"),
     ("cu_seqlens", "None"),
     ("use_qk_l2norm_in_kernel", "False"),
 )
-CHUNK_OPTIONS = RECURRENT_OPTIONS + (
+# Where states live: their layout (state_v_first: [.., HV, V, K]), and a pool of them read and
+# written in place (state_pool [P, HV, K, V], state_indices [N]; validate: check the indices on
+# the host, which a CUDA-graph capture cannot do).
+STATE_OPTIONS = (
+    ("state_v_first", "False"),
+    ("state_pool", "None"),
+    ("state_indices", "None"),
+    ("validate", "True"),
+)
+RECURRENT_OPTIONS = _CALL_OPTIONS + STATE_OPTIONS + (("out", "None"),)  # out: a caller's buffer for o
+CHUNK_OPTIONS = _CALL_OPTIONS + (
     ("chunk_size", "None"),  # 64, or 32 with precision="tf32" (LARGEST_CHUNK_SIZE)
     ("plan", "None"),
     ("chunk_indices", "None"),
     ("save_policy", "None"),
     ("precision", '"input"'),
+) + STATE_OPTIONS
+# verify(): draft tokens against pool rows, which it only reads; draft: the buffers of an earlier
+# verify() to fill again (a CUDA graph replays into the same memory)
+VERIFY_OPTIONS = (
+    ("state_pool", "None"),
+    ("state_indices", "None"),
+    ("scale", "None"),
+    ("cu_seqlens", "None"),
+    ("use_qk_l2norm_in_kernel", "False"),
+    ("state_v_first", "False"),
+    ("validate", "True"),
+    ("out", "None"),
+    ("draft", "None"),
 )
+ALL_OPTIONS = RECURRENT_OPTIONS + CHUNK_OPTIONS + VERIFY_OPTIONS
 
 
 def input_pointer(name: str) -> str:
@@ -72,9 +96,9 @@ def reserved_input_name(name: str) -> str | None:
         return "names starting with '_' belong to the generated module"
     if name in POSITIONAL:
         return f"{name} is the positional tensor every recurrence takes"
-    options = {n for n, _ in RECURRENT_OPTIONS + CHUNK_OPTIONS}
+    options = {n for n, _ in ALL_OPTIONS}
     if name in options:
-        return f"{name!r} is a keyword option of recurrent()/chunk()"
+        return f"{name!r} is a keyword option of recurrent()/chunk()/verify()"
     if name in RESERVED:
         return f"{name!r} is the value-head index in formulas"
     if name in FUNCTIONS:

@@ -146,13 +146,68 @@ def _read(op: ReadOutput, prog: StepProgram) -> Emission:
 def _store(op: StoreOutput, prog: StepProgram) -> Emission:
     return Emission(
         setup=["p_o = o + (bos * HV + i_hv) * V + o_v"],
-        lines=["tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)"],
+        lines=["# a padding slot's output is zeros, whatever its inputs hold",
+               "tl.store(p_o, tl.where(live, b_o, 0.0).to(p_o.dtype.element_ty), mask=m_v)"],
         advance=["p_o += HV * V"],
     )
 
 
 def kernel_name(prog: StepProgram) -> str:
     return f"{prog.recurrence.name}_recurrent_fwd_kernel"
+
+
+def commit_kernel_name(prog: StepProgram) -> str:
+    return f"{prog.recurrence.name}_commit_kernel"
+
+
+def decay_op(prog: StepProgram) -> DecayState | None:
+    return next((op for op in prog.body if isinstance(op, DecayState)), None)
+
+
+# What verify stores per draft token and value head so that commit can replay the token's state
+# update S <- D_t S + k u^T without the state in between: the key it wrote with (after the L2
+# norm), the residual u, and the log-decay g_t when the spec has a gate (per key channel for a
+# key-channel gate). Buffers are fp32, token-major: [B, T, HV, K], [B, T, HV, V], [B, T, HV(, K)].
+# The K-wide ones are stored by the first value block's programs only (the others hold the same).
+DRAFT_ADDRESS = {
+    "k": ("draft_k", "(t * HV + i_hv) * K + o_k", "m_k & (i_v == 0)"),
+    "u": ("draft_u", "(t * HV + i_hv) * V + o_v", "m_v"),
+    "g_scalar": ("draft_g", "t * HV + i_hv", "i_v == 0"),
+    "g_per_key": ("draft_g", "(t * HV + i_hv) * K + o_k", "m_k & (i_v == 0)"),
+}
+DRAFT_VALUES = {"k": "b_k", "u": "b_u", "g_scalar": "g_t", "g_per_key": "g_t"}
+
+
+def draft_parts(prog: StepProgram) -> list[str]:
+    decay = decay_op(prog)
+    return ["k", "u"] + ([] if decay is None else ["g_per_key" if decay.per_key else "g_scalar"])
+
+
+def emit_draft_stores(prog: StepProgram) -> list[str]:
+    lines = ["# verify: what commit needs to replay this token (k, u" + (", g_t)" if decay_op(prog) else ")")]
+    for part in draft_parts(prog):
+        pointer, offsets, mask = DRAFT_ADDRESS[part]
+        lines.append(f"tl.store({pointer} + {offsets}, {DRAFT_VALUES[part]}, mask={mask})")
+    return lines
+
+
+def emit_commit_kernel(prog: StepProgram) -> str:
+    """The commit kernel: the step program's decay and write, on what verify stored."""
+    body = ["# this token's key, residual and log-decay, as verify computed them"]
+    for part in draft_parts(prog):
+        pointer, offsets, mask = DRAFT_ADDRESS[part]
+        mask = mask.replace(" & (i_v == 0)", "").replace("i_v == 0", "")  # every program reads them
+        value = DRAFT_VALUES[part]
+        body.append(f"{value} = tl.load({pointer} + {offsets}{f', mask={mask}, other=0.0' if mask else ''})")
+    for op in prog.body:
+        if isinstance(op, (DecayState, WriteState)):
+            body += STEP_EMITTERS.lookup(op)(op, prog).lines
+    return render(
+        "commit.py.jinja",
+        kernel_name=commit_kernel_name(prog),
+        spec_name=prog.recurrence.name,
+        body=indent(body, 8),
+    )
 
 
 def emit_recurrent_kernel(prog: StepProgram) -> str:
@@ -174,5 +229,6 @@ def emit_recurrent_kernel(prog: StepProgram) -> str:
         input_pointers=[input_pointer(i.name) for i in prog.recurrence.inputs],
         setup=indent(["# pointers to the first token of this sequence, per-head inputs"] + setup, 4),
         body=indent(body, 8),
+        draft=indent(emit_draft_stores(prog), 12),
         advance=indent(["# next token"] + advance, 8),
     )

@@ -1,0 +1,200 @@
+"""A serving loop on lrdsl's generated kernels: a state pool, continuous batching and speculative
+decoding, checked against the float64 oracle.
+
+    python examples/serving_decode.py                          # tiny shapes: CPU (Triton's interpreter) or GPU
+    python examples/serving_decode.py --spec kda               # any spec
+    python examples/serving_decode.py --state-dtype bfloat16   # a bf16 state pool
+
+Requests of different lengths are prefilled into rows of a state pool (one packed chunk() call;
+recurrent() for a spec without a chunk form), then decoded in a batch of fixed slots, one token
+per request per step: one request leaves and another joins its slot. Every other step is
+speculative: 3 draft tokens per request are verified at once (their outputs come back, the pool
+is only read), a random number of them is accepted, and commit() writes each row's state after
+its accepted tokens. On a GPU the decode step and the verify + commit step are CUDA graphs,
+captured once and replayed with new inputs. Random tensors stand in for the model's projections.
+Every step's outputs and, at the end, every request's pool row are compared with the oracle run
+over that request's tokens; the exit status is 1 if one is off.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+from lrdsl import config
+
+config.use_interpreter_without_gpu()  # before anything imports triton
+
+import torch  # noqa: E402
+
+import lrdsl  # noqa: E402
+from lrdsl import reference  # noqa: E402
+from lrdsl.passes.pipeline import run_pipeline  # noqa: E402
+from lrdsl.specs_registry import load_spec_by_name  # noqa: E402
+from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error  # noqa: E402
+
+SLOTS, POOL_ROWS, DRAFTS = 4, 8, 3
+
+
+@dataclass
+class Request:
+    name: str
+    row: int
+    state: torch.Tensor  # the oracle's state of this request, float64 [HV, K, V]
+
+
+@dataclass
+class Engine:
+    mod: object
+    rec: object
+    shape: Shape  # H, HV, K, V of the model (B and T unused)
+    dtype: torch.dtype
+    device: str
+    generator: torch.Generator
+    pool: torch.Tensor
+    free_rows: list
+    params: list = field(default_factory=list)  # the spec's per-head inputs: the model's, fixed
+    worst: float = 0.0
+
+    def tokens(self, B, T):
+        """Inputs of B x T tokens (per-token tensors fresh, per-head ones the model's)."""
+        s = self.shape
+        tensors = make_inputs(self.rec, Shape(B, T, s.H, s.HV, s.K, s.V), dtype=self.dtype, generator=self.generator)
+        if not self.params:
+            self.params = [None] * 3 + [None if i.role.per_token else t for i, t in zip(self.rec.inputs, tensors[3:])]
+        return [(p if p is not None else t).to(self.device) for p, t in zip(self.params, tensors)]
+
+    def per_token(self):
+        return [True] * 3 + [i.role.per_token for i in self.rec.inputs]
+
+    def oracle(self, request, tensors, n, first, count):
+        """The oracle over tokens first .. first+count of sequence n: its o; advances the request."""
+        picked = [t[n:n + 1, first:first + count] if p else t for t, p in zip(tensors, self.per_token())]
+        o, final = reference.run(self.rec, *picked, initial_state=request.state[None], output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)
+        request.state = final[0]
+        return o[0]
+
+    def check(self, what, got, expected):
+        limit = TOLERANCE[torch.float32 if self.dtype == torch.float32 and self.pool.dtype == torch.float32
+                          else torch.bfloat16]
+        error = relative_error(got, expected)
+        self.worst = max(self.worst, error / limit)
+        print(f"  {what}: relative error vs the oracle {error:.1e}")
+
+    def prefill(self, names_and_lengths):
+        """New requests' prompts, packed into one call, each into a fresh pool row."""
+        requests = []
+        for name, _ in names_and_lengths:
+            row = self.free_rows.pop(0)
+            self.pool[row] = 0  # a new request starts from the zero state
+            requests.append(Request(name, row, torch.zeros(self.pool.shape[1:], dtype=torch.float64, device=self.device)))
+        lengths = [length for _, length in names_and_lengths]
+        tensors = self.tokens(1, sum(lengths))
+        bounds = [0]
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=self.device)
+        rows = torch.tensor([r.row for r in requests], device=self.device)
+        prefill = self.mod.chunk if hasattr(self.mod, "chunk") else self.mod.recurrent
+        with torch.no_grad():
+            o, _ = prefill(*tensors, cu_seqlens=cu_seqlens, state_pool=self.pool, state_indices=rows,
+                           use_qk_l2norm_in_kernel=True)
+        expected = torch.cat([self.oracle(r, tensors, 0, bounds[i], lengths[i]) for i, r in enumerate(requests)])
+        print("prefill " + ", ".join(f"{r.name} ({n} tokens) -> row {r.row}" for r, n in zip(requests, lengths)))
+        self.check("prefill o", o[0], expected)
+        return requests
+
+
+def capture_or_call(fn, on_gpu):
+    """On a GPU: fn captured once in a CUDA graph (after a warm-up call), replayed per step."""
+    if not on_gpu:
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles the kernels
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", default="gdn", help="a shipped spec's name or a spec file (default gdn)")
+    parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    rec = run_pipeline(load_spec_by_name(args.spec), until="recurrence")["recurrence"]
+    mod = lrdsl.load(args.spec)
+    shape = Shape(SLOTS, 1, 4, 8, 128, 128) if on_gpu else Shape(SLOTS, 1, 1, 2, 16, 16)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.zeros(POOL_ROWS, shape.HV, shape.K, shape.V, dtype=getattr(torch, args.state_dtype), device=device)
+    free = torch.randperm(POOL_ROWS, generator=generator).tolist()  # rows in no particular order
+    engine = Engine(mod, rec, shape, dtype, device, generator, pool, free)
+    print(f"{args.spec} on {'the GPU, steps as CUDA-graph replays' if on_gpu else 'the CPU'}: {SLOTS} slots, "
+          f"a pool of {POOL_ROWS} {args.state_dtype} rows [HV={shape.HV}, K={shape.K}, V={shape.V}]")
+
+    # the batch: static buffers that the captured steps read and write
+    slots = engine.prefill([("A", 5), ("B", 11), ("C", 3)]) + [None]
+    indices = torch.tensor([r.row if r else -1 for r in slots], dtype=torch.int32, device=device)
+    decode_in, draft_in = engine.tokens(SLOTS, 1), engine.tokens(SLOTS, DRAFTS)
+    accepted = torch.zeros(SLOTS, dtype=torch.int32, device=device)
+    decode_out = torch.empty(SLOTS, 1, shape.HV, shape.V, dtype=dtype, device=device)
+    verify_out = torch.empty(SLOTS, DRAFTS, shape.HV, shape.V, dtype=dtype, device=device)
+    _, draft = mod.verify(*draft_in, state_pool=pool, state_indices=indices, use_qk_l2norm_in_kernel=True)
+
+    def decode():
+        mod.recurrent(*decode_in, state_pool=pool, state_indices=indices, validate=False, out=decode_out,
+                      use_qk_l2norm_in_kernel=True)
+
+    def verify_and_commit():
+        mod.verify(*draft_in, state_pool=pool, state_indices=indices, validate=False, out=verify_out, draft=draft,
+                   use_qk_l2norm_in_kernel=True)
+        mod.commit(draft, accepted, validate=False)
+
+    with torch.no_grad():
+        step_decode, step_verify = capture_or_call(decode, on_gpu), capture_or_call(verify_and_commit, on_gpu)
+    for step in range(6):
+        if step == 3:  # B is done: its slot goes to D, prefilled into a fresh row
+            leaving = slots[1]
+            engine.free_rows.append(leaving.row)
+            slots[1] = engine.prefill([("D", 7)])[0]
+            indices.copy_(torch.tensor([r.row if r else -1 for r in slots]))
+            print(f"{leaving.name} leaves (row {leaving.row} freed), D joins slot 1")
+        live = [(n, r) for n, r in enumerate(slots) if r]
+        if step % 2 == 0:
+            for static, fresh in zip(decode_in, engine.tokens(SLOTS, 1)):
+                static.copy_(fresh)
+            step_decode()
+            print(f"step {step}: decode, slots {' '.join(r.name if r else '-' for r in slots)}")
+            expected = torch.stack([engine.oracle(r, decode_in, n, 0, 1) for n, r in live])
+            engine.check("o", decode_out[[n for n, _ in live]], expected)
+        else:
+            counts = torch.randint(0, DRAFTS + 1, (SLOTS,), generator=generator)
+            for static, fresh in zip(draft_in, engine.tokens(SLOTS, DRAFTS)):
+                static.copy_(fresh)
+            accepted.copy_(counts)
+            step_verify()
+            print(f"step {step}: verify {DRAFTS} drafts each, accepted " +
+                  " ".join(f"{r.name} {int(counts[n])}" for n, r in live))
+            expected = []
+            for n, r in live:
+                start = r.state.clone()
+                expected.append(engine.oracle(r, draft_in, n, 0, DRAFTS))  # every draft position's output
+                r.state = start
+                engine.oracle(r, draft_in, n, 0, int(counts[n]))  # then only the accepted tokens advance it
+            engine.check("o of every draft", verify_out[[n for n, _ in live]], torch.stack(expected))
+    rows = [r.row for r in slots if r]
+    engine.check("final pool rows of the requests in the batch", pool[rows].double(),
+                 torch.stack([r.state for r in slots if r]))
+    print("ok" if engine.worst <= 1 else "FAILED: an error above the tolerance")
+    return 0 if engine.worst <= 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""torch.compile: the generated functions run as torch.library custom ops under torch.compile,
+with fake implementations and autograd, so that code using them compiles with fullgraph=True
+(no graph break), forward and backward, and computes what the eager calls and the float64
+oracle compute.
+
+On the CPU, torch.compile runs with backend="aot_eager": Dynamo, the fake implementations and
+AOTAutograd's forward and backward graphs, all that the custom ops take part in (inductor only
+compiles the torch operations around them, and takes minutes on a 2-core box). The inductor
+backend runs in the `gpu` test."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrdsl import reference
+from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+
+from helpers import module, recurrence
+
+LIMIT = TOLERANCE[torch.float32]
+BACKEND = "aot_eager"
+
+
+def ops_of(mod):
+    return getattr(torch.ops, mod._OP_NAMESPACE)
+
+
+def small_inputs(name, generator, B=2, T=5, H=1, HV=2, K=8, V=12):
+    return make_inputs(recurrence(name), Shape(B, T, H, HV, K, V), generator=generator)
+
+
+def prefill_then_decode(mod):
+    """A model-like function: chunk() over a prompt from an initial state, then recurrent()
+    for the next tokens from its final state; one loss of both outputs and the last state."""
+
+    def run(prompt, following, h0):
+        o, ht = mod.chunk(*prompt, initial_state=h0, output_final_state=True, chunk_size=16, use_qk_l2norm_in_kernel=True)
+        o2, ht2 = mod.recurrent(*following, initial_state=ht, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return (o.float().sin().sum() + o2.float().square().sum() + ht2.square().sum()) / 10
+
+    return run
+
+
+def split(name, tensors, at):
+    rec = recurrence(name)
+    per_token = [True] * 3 + [i.role.per_token for i in rec.inputs]
+    first = [t[:, :at] if p else t for t, p in zip(tensors, per_token)]
+    rest = [t[:, at:] if p else t for t, p in zip(tensors, per_token)]
+    return first, rest
+
+
+@pytest.mark.parametrize("name", ["gdn", "linear_attn", "gdn_qwen35"])
+def test_prefill_and_decode_compile_fullgraph_forward_and_backward(name, generator, device):
+    """fullgraph=True compiles chunk() then recurrent(), and the backward through both: the
+    loss and every gradient equal the eager calls' and the oracle's."""
+    mod, rec = module(name), recurrence(name)
+    tensors = [t.to(device).requires_grad_() for t in small_inputs(name, generator, T=7)]
+    h0 = (torch.randn(2, 2, 8, 12, generator=generator) * 0.5).to(device).requires_grad_()
+    run = prefill_then_decode(mod)
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True, backend=BACKEND)
+    loss = compiled(*split(name, tensors, 5), h0)
+    grads = torch.autograd.grad(loss, tensors + [h0])
+    eager_loss = run(*split(name, tensors, 5), h0)
+    eager_grads = torch.autograd.grad(eager_loss, tensors + [h0])
+    assert relative_error(loss, eager_loss) <= 1e-6
+    for index, (a, b) in enumerate(zip(grads, eager_grads)):
+        assert relative_error(a, b) <= 1e-6, f"gradient {index} differs from eager"
+
+    refs = [t.detach().double().requires_grad_() for t in tensors]
+    h0_ref = h0.detach().double().requires_grad_()
+    first, rest = split(name, refs, 5)
+    o, ht = reference.run(rec, *first, initial_state=h0_ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o2, ht2 = reference.run(rec, *rest, initial_state=ht, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_loss = (o.sin().sum() + o2.square().sum() + ht2.square().sum()) / 10
+    ref_grads = torch.autograd.grad(ref_loss, refs + [h0_ref])
+    assert relative_error(loss, ref_loss) <= LIMIT
+    for index, (a, b) in enumerate(zip(grads, ref_grads)):
+        assert relative_error(a, b) <= LIMIT, f"gradient {index} vs the oracle"
+
+
+def serving_step(mod):
+    """One engine step: decode one token per request on the pool, verify 3 draft tokens, commit."""
+
+    def step(pool, indices, accepted, decode, drafts, out):
+        o, _ = mod.recurrent(*decode, state_pool=pool, state_indices=indices, validate=False, out=out)
+        o_draft, draft = mod.verify(*drafts, state_pool=pool, state_indices=indices, validate=False)
+        mod.commit(draft, accepted, validate=False)
+        return o, o_draft
+
+    return step
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_serving_step_compiles_fullgraph(name, generator, device):
+    """Pool decode, verify and commit (ops that update the pool in place) compile with
+    fullgraph=True and leave the pool as the eager calls do; kda has no chunk form (its module
+    registers the recurrent ops only)."""
+    tensors = [t.to(device) for t in small_inputs(name, generator, B=3, T=4)]
+    decode, drafts = split(name, tensors, 1)
+    pool = torch.randn(5, 2, 8, 12, generator=generator).to(device)
+    indices = torch.tensor([4, -1, 1], device=device)
+    accepted = torch.tensor([2, 0, 3], device=device)
+    step = serving_step(module(name))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=BACKEND)
+    pools = [pool.clone(), pool.clone()]
+    outs = [torch.empty(3, 1, 2, 12, device=device), torch.empty(3, 1, 2, 12, device=device)]
+    with torch.no_grad():
+        got = compiled(pools[0], indices, accepted, decode, drafts, outs[0])
+        expected = step(pools[1], indices, accepted, decode, drafts, outs[1])
+    assert torch.equal(pools[0], pools[1]) and not torch.equal(pools[0], pool)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_custom_ops_pass_opcheck(generator, device):
+    """torch.library.opcheck on every op of a module: schema (which arguments are mutated),
+    autograd registration, fake implementations against the real ones, AOT dispatch."""
+    mod = module("gdn")
+    ops = ops_of(mod)
+    q, k, v, g, beta = [t.to(device) for t in small_inputs("gdn", generator, B=2, T=3)]
+    h0 = torch.randn(2, 2, 8, 12, generator=generator).to(device)
+    pool = torch.randn(4, 2, 8, 12, generator=generator).to(device)
+    indices = torch.tensor([3, 0], device=device)
+    lq, lk, lv, lg, lbeta, lh0 = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    scale = 8 ** -0.5
+    calls = [  # the spec's inputs travel as one list
+        (ops.recurrent, (lq, lk, lv, [lg, lbeta], lh0, None, scale, True, True, False)),
+        (ops.chunk, (lq, lk, lv, [lg, lbeta], lh0, None, None, None, scale, True, True, 16, mod.DEFAULT_CHUNK_PLAN,
+                     "recompute", "input", False)),
+        (ops.recurrent_pool, (q, k, v, [g, beta], pool.clone(), indices, None, scale, True, False, True)),
+        (ops.chunk_pool, (q, k, v, [g, beta], pool.clone(), indices, None, None, None, scale, True, 16,
+                          mod.DEFAULT_CHUNK_PLAN, "input", False, True)),
+        (ops.verify, (q, k, v, [g, beta], pool, indices, None, scale, True, False, True)),
+    ]
+    for op, args in calls:
+        results = torch.library.opcheck(op, args)
+        assert set(results.values()) == {"SUCCESS"}, (op, results)
+    _, draft_k, draft_u, draft_g = ops.verify(q, k, v, [g, beta], pool, indices, None, scale, True, False, True)
+    results = torch.library.opcheck(ops.commit, (pool.clone(), indices, torch.tensor([1, 3], device=device), draft_k,
+                                                 draft_u, draft_g, None, False, True))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_a_bad_tensor_under_compile_names_it(generator, device):
+    """The fake implementations run the eager checks: torch.compile's error carries the one-line
+    message naming the tensor."""
+    mod = module("gdn")
+    q, k, v, g, beta = [t.to(device) for t in small_inputs("gdn", generator)]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *x: mod.recurrent(*x)[0], fullgraph=True, backend=BACKEND)
+    with pytest.raises(Exception, match=r"gdn.recurrent: g must be \[B, T, HV\] = \[2, 5, 2\], got \[2, 5, 3\]"):
+        compiled(q, k, v, torch.zeros(2, 5, 3, device=device), beta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "gdn_qwen35"])
+def test_gpu_inductor_fullgraph_forward_backward_and_serving(name, generator):
+    """The default backend (inductor) on the GPU: the prefill/decode model forward and backward,
+    and the serving step, equal to eager."""
+    mod = module(name)
+    tensors = [t.cuda().requires_grad_() for t in small_inputs(name, generator, B=2, T=70, H=2, HV=4, K=128, V=128)]
+    h0 = (torch.randn(2, 4, 128, 128, generator=generator) * 0.1).cuda().requires_grad_()
+    run = prefill_then_decode(mod)
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True)
+    loss = compiled(*split(name, tensors, 64), h0)
+    grads = torch.autograd.grad(loss, tensors + [h0])
+    eager_loss = run(*split(name, tensors, 64), h0)
+    eager_grads = torch.autograd.grad(eager_loss, tensors + [h0])
+    assert relative_error(loss, eager_loss) <= 1e-5
+    for a, b in zip(grads, eager_grads):
+        assert relative_error(a, b) <= 1e-5
+
+    plain = [t.detach()[:, :4] if t.dim() >= 3 else t.detach() for t in tensors]
+    decode, drafts = split(name, plain, 1)
+    pool = torch.randn(8, 4, 128, 128, generator=generator).cuda()
+    indices, accepted = torch.tensor([5, 2], device="cuda"), torch.tensor([3, 1], device="cuda")
+    step = serving_step(mod)
+    compiled_step = torch.compile(step, fullgraph=True)
+    pools = [pool.clone(), pool.clone()]
+    with torch.no_grad():
+        got = compiled_step(pools[0], indices, accepted, decode, drafts, None)
+        expected = step(pools[1], indices, accepted, decode, drafts, None)
+    assert torch.equal(pools[0], pools[1])
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
