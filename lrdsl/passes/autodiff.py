@@ -15,6 +15,8 @@ needs are dropped.
 
 Adjoint rules: elementwise formulas by sympy.diff; a broadcast sums back; cumsum -> reverse cumsum;
 last row -> placed on the last row; exp2(G_i - G_j) -> ln2 * (row sums - column sums) of dD * D;
+the per-channel decayed product M = sum_c a_ic b_jc exp2(x_ic - x_jc) -> da, db by the same decayed
+product applied to dM (and its transpose), dx = ln2 (a * da - b * db);
 masks mask; matmuls transpose; X = (I + A)^-1 -> dA = StrictLower(-X^T dX X^T); the L2 norm ->
 its Jacobian-vector product.
 """
@@ -31,6 +33,8 @@ from ..ir.chunk import (
     ChunkProgram,
     Cumsum,
     DecayMatrix,
+    DecayedGram,
+    DecayedMatMul,
     Formula,
     LastRow,
     Load,
@@ -89,7 +93,7 @@ def reduce_to(sweep: Sweep, value: str, shape, name: str) -> str:
         return value
     if shape == ():
         axes = tuple(range(len(source)))
-    elif shape == ("C",):
+    elif shape == source[:1]:  # spread along the columns (a C-vector, a K-vector over K x V)
         axes = tuple(range(1, len(source)))
     else:  # a K- or V-vector spread along the rows
         axes = (0,)
@@ -146,6 +150,20 @@ def _decay(op: DecayMatrix, dy: str, sweep: Sweep):
     rows = b.add(ReduceSum(b.fresh(f"{weighted}_rowsum"), ("C",), str(weighted), (1,)))
     cols = b.add(ReduceSum(b.fresh(f"{weighted}_colsum"), ("C",), str(weighted), (0,)))
     yield op.x, str(b.formula(sweep.name(op.x, op), rows - cols, ("C",)))
+
+
+@adjoint(DecayedGram)
+def _decayed_gram(op: DecayedGram, dy: str, sweep: Sweep):
+    # M_ij = sum_c a_ic b_jc E_ijc, E_ijc = exp2(x_ic - x_jc):
+    #   da_ic = sum_j dM_ij b_jc E_ijc,  db_jc = sum_i dM_ij a_ic E_ijc   (the same decays, masked alike)
+    #   dx_ic = ln2 (a_ic da_ic - b_ic db_ic): x_i gains as row, loses as column
+    b = sweep.b
+    da = b.add(DecayedMatMul(sweep.name(op.a, op), ("C", "K"), dy, op.b, op.x, op.inclusive))
+    db = b.add(DecayedMatMul(sweep.name(op.b, op), ("C", "K"), dy, op.a, op.x, op.inclusive, transpose=True))
+    yield op.a, str(da)
+    yield op.b, str(db)
+    a_, b_ = sympy.Symbol(op.a), sympy.Symbol(op.b)
+    yield op.x, str(b.formula(sweep.name(op.x, op), LN2 * (a_ * da - b_ * db), ("C", "K")))
 
 
 @adjoint(Mask)
