@@ -192,30 +192,42 @@ class DecayedGram(ChunkOp):
 
 @dataclass(frozen=True)
 class DecayedMatMul(ChunkOp):
-    """C x K, a C x C matrix m (lower triangle only: i > j, or i >= j if inclusive) applied to a
-    C x K tile b under the same per-channel decay as DecayedGram:
-        out_ic = sum_{j <= i} m_ij b_jc exp2(x_ic - x_jc)            (transpose = False)
-        out_ic = sum_{j >= i} m_ji b_jc exp2(x_jc - x_ic)            (transpose = True)
-    The adjoints of DecayedGram: dM -> da (not transposed) and db (transposed)."""
+    """C x K, the strict lower triangle of a C x C matrix m (i > j) applied to a C x K tile b
+    under the same per-channel decay as DecayedGram:
+        out_ic = sum_{j < i} m_ij b_jc exp2(x_ic - x_jc)            (transpose = False)
+        out_ic = sum_{j > i} m_ji b_jc exp2(x_jc - x_ic)            (transpose = True)
+    The adjoints of DecayedGram: dM -> da (not transposed) and db (transposed). It appears in
+    backward programs only, so it has no adjoint rule of its own."""
 
     m: str
     b: str
     x: str
-    inclusive: bool
     transpose: bool = False
 
     def args(self):
         return (self.m, self.b, self.x)
 
     def describe(self):
-        strict = "" if self.inclusive else " (strict)"
         if self.transpose:
-            return f"sum_{{j >= i}} {self.m}_ji {self.b}_jc exp2({self.x}_jc - {self.x}_ic){strict}"
-        return f"sum_{{j <= i}} {self.m}_ij {self.b}_jc exp2({self.x}_ic - {self.x}_jc){strict}"
+            return f"sum_{{j > i}} {self.m}_ji {self.b}_jc exp2({self.x}_jc - {self.x}_ic)"
+        return f"sum_{{j < i}} {self.m}_ij {self.b}_jc exp2({self.x}_ic - {self.x}_jc)"
 
     @property
     def expensive(self):
         return True
+
+
+@dataclass(frozen=True)
+class Diagonal(ChunkOp):
+    """C: the diagonal of a C x C matrix. Appears in backward programs only (no adjoint rule)."""
+
+    x: str
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"diagonal({self.x})"
 
 
 @dataclass(frozen=True)

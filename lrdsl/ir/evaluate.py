@@ -25,6 +25,7 @@ from .chunk import (
     DecayMatrix,
     DecayedGram,
     DecayedMatMul,
+    Diagonal,
     Formula,
     LastRow,
     Load,
@@ -102,7 +103,7 @@ def _t_decayed_gram(op: DecayedGram, env, ctx):
 
 
 def _t_decayed_matmul(op: DecayedMatMul, env, ctx):
-    decay = _t_channel_decay(env[op.x], op.inclusive)
+    decay = _t_channel_decay(env[op.x], inclusive=False)
     if op.transpose:  # out_ic = sum_j m_ji b_jc decay_jic
         return torch.einsum("ji,jc,jic->ic", env[op.m], env[op.b], decay)
     return torch.einsum("ij,jc,ijc->ic", env[op.m], env[op.b], decay)
@@ -150,6 +151,7 @@ TORCH_RULES = {
     DecayMatrix: _t_decay,
     DecayedGram: _t_decayed_gram,
     DecayedMatMul: _t_decayed_matmul,
+    Diagonal: lambda op, env, ctx: torch.diagonal(env[op.x]),
     Mask: lambda op, env, ctx: torch.where(_lower(env[op.x].shape[0], op.inclusive), env[op.x], 0.0),
     MatMul: _t_matmul,
     UnitLowerInverse: lambda op, env, ctx: torch.linalg.inv(torch.eye(env[op.a].shape[0], dtype=torch.float64) + env[op.a]),
@@ -269,8 +271,8 @@ def _s_decayed_matmul(op: DecayedMatMul, env, ctx):
 
     def entry(i, c):
         if op.transpose:
-            return sum(m[j, i] * b[j, c] * _s_pair_decay(x, j, i, c) for j in rows if _s_inside(j, i, op.inclusive))
-        return sum(m[i, j] * b[j, c] * _s_pair_decay(x, i, j, c) for j in rows if _s_inside(i, j, op.inclusive))
+            return sum(m[j, i] * b[j, c] * _s_pair_decay(x, j, i, c) for j in rows if j > i)
+        return sum(m[i, j] * b[j, c] * _s_pair_decay(x, i, j, c) for j in rows if i > j)
 
     return sympy.Matrix(x.rows, x.cols, entry)
 
@@ -328,6 +330,7 @@ SYMPY_RULES = {
     DecayMatrix: _s_decay,
     DecayedGram: _s_decayed_gram,
     DecayedMatMul: _s_decayed_matmul,
+    Diagonal: lambda op, env, ctx: sympy.Matrix(env[op.x].rows, 1, lambda i, j: env[op.x][i, i]),
     Mask: _s_mask,
     MatMul: _s_matmul,
     UnitLowerInverse: lambda op, env, ctx: (sympy.eye(env[op.a].rows) + env[op.a]).inv(),

@@ -35,6 +35,7 @@ from ..ir.chunk import (
     DecayMatrix,
     DecayedGram,
     DecayedMatMul,
+    Diagonal,
     Formula,
     LastRow,
     Load,
@@ -154,16 +155,25 @@ def _decay(op: DecayMatrix, dy: str, sweep: Sweep):
 
 @adjoint(DecayedGram)
 def _decayed_gram(op: DecayedGram, dy: str, sweep: Sweep):
-    # M_ij = sum_c a_ic b_jc E_ijc, E_ijc = exp2(x_ic - x_jc):
-    #   da_ic = sum_j dM_ij b_jc E_ijc,  db_jc = sum_i dM_ij a_ic E_ijc   (the same decays, masked alike)
-    #   dx_ic = ln2 (a_ic da_ic - b_ic db_ic): x_i gains as row, loses as column
+    # M_ij = sum_c a_ic b_jc E_ijc, E_ijc = exp2(x_ic - x_jc), over i > j:
+    #   da_ic = sum_j dM_ij b_jc E_ijc,  db_jc = sum_i dM_ij a_ic E_ijc   (the same decays)
+    #   dx_ic = ln2 (a_ic da_ic - b_ic db_ic): x_i gains as row, loses as column.
+    # An inclusive M's diagonal (E = 1) adds dM_ii b_i to da_i and dM_ii a_i to db_i but nothing
+    # to dx: it is kept out of dx rather than summed in twice to cancel (at strong decay dx is
+    # tiny and the cancellation's rounding would swamp it).
     b = sweep.b
-    da = b.add(DecayedMatMul(sweep.name(op.a, op), ("C", "K"), dy, op.b, op.x, op.inclusive))
-    db = b.add(DecayedMatMul(sweep.name(op.b, op), ("C", "K"), dy, op.a, op.x, op.inclusive, transpose=True))
+    da = b.add(DecayedMatMul(b.fresh(f"{sweep.name(op.a, op)}_below"), ("C", "K"), dy, op.b, op.x))
+    db = b.add(DecayedMatMul(b.fresh(f"{sweep.name(op.b, op)}_above"), ("C", "K"), dy, op.a, op.x, transpose=True))
+    a_, b_ = sympy.Symbol(op.a), sympy.Symbol(op.b)
+    dx = b.formula(sweep.name(op.x, op), LN2 * (a_ * da - b_ * db), ("C", "K"))
+    if op.inclusive:
+        diagonal = b.add(Diagonal(b.fresh(f"{dy}_diagonal"), ("C",), dy))
+        diagonal = b.rows(f"{diagonal}_rows", diagonal, ("C", "K"))
+        da = b.formula(sweep.name(op.a, op), da + diagonal * b_, ("C", "K"))
+        db = b.formula(sweep.name(op.b, op), db + diagonal * a_, ("C", "K"))
     yield op.a, str(da)
     yield op.b, str(db)
-    a_, b_ = sympy.Symbol(op.a), sympy.Symbol(op.b)
-    yield op.x, str(b.formula(sweep.name(op.x, op), LN2 * (a_ * da - b_ * db), ("C", "K")))
+    yield op.x, str(dx)
 
 
 @adjoint(Mask)

@@ -12,6 +12,7 @@ from ..ir.chunk import (
     DecayMatrix,
     DecayedGram,
     DecayedMatMul,
+    Diagonal,
     Formula as ChunkFormula,
     LastRow,
     Load,
@@ -129,6 +130,8 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
         return ("C", "C")
     if isinstance(op, DecayedMatMul):
         return ("C", "K")
+    if isinstance(op, Diagonal):
+        return ("C",)
     if isinstance(op, MatMul):
         return _matmul_shape(op, shapes)
     if isinstance(op, UnitLowerInverse):
@@ -175,8 +178,8 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
         if isinstance(op, DecayedMatMul):
             operands = [shapes[a] for a in op.args()]
             _require(operands == [("C", "C"), ("C", "K"), ("C", "K")], f"{where}: needs C x C, C x K, C x K, got {operands}")
-        if isinstance(op, (Mask, UnitLowerInverse)):
-            arg = op.x if isinstance(op, Mask) else op.a
+        if isinstance(op, (Mask, UnitLowerInverse, Diagonal)):
+            arg = op.a if isinstance(op, UnitLowerInverse) else op.x
             _require(shapes[arg] == ("C", "C"), f"{where}: needs a C x C matrix")
         shapes[op.out] = op.shape
     kinds = [type(op) for op in prog.ops]
