@@ -6,6 +6,7 @@ caches and imports it.
 from __future__ import annotations
 
 from .. import __version__
+from ..errors import CompileError
 from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence
 from ..ir.step import StepProgram
@@ -28,12 +29,10 @@ def _extras_tuple(rec: Recurrence) -> str:
     return ", ".join(names) + ("," if len(names) == 1 else "")
 
 
-def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> str:
+def emit_recurrent_section(step: StepProgram) -> str:
     rec = step.recurrence
     return render(
         "recurrent_api.py.jinja",
-        has_chunk=no_chunk_reason is None,
-        no_chunk_reason=no_chunk_reason or "",
         kernel=emit_recurrent_kernel(step),
         kernel_name=kernel_name(step),
         spec_name=rec.name,
@@ -46,21 +45,19 @@ def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> st
 
 def emit_module(stages: dict, spec_path: str) -> str:
     rec: Recurrence = stages["recurrence"]
-    signature_tail = "scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False"
-    signatures = [f"recurrent({_positional(rec)}, {signature_tail}) -> (o, final_state | None)"]
-    if not isinstance(stages["save"], NoChunkForm):
-        signatures[0] += "   [differentiable]"
     plans = stages["save"]
-    sections = [emit_recurrent_section(stages["step"], plans.reason if isinstance(plans, NoChunkForm) else None)]
     if isinstance(plans, NoChunkForm):
-        signatures.append(f"chunk: not generated ({plans.reason})")
-    else:
-        signatures.append(
-            f"chunk({_positional(rec)}, {signature_tail}, chunk_size=64, plan=None, chunk_indices=None,"
-            " save_policy=None) -> (o, final_state | None)   [differentiable]"
-        )
-        signatures.append("prepare_varlen(cu_seqlens, chunk_size=64) -> (chunk_indices, chunk_offsets)")
-        sections.append(emit_chunk_section(plans, _positional(rec), _extras_tuple(rec)))
+        # every module has a differentiable chunk(): a recurrence the passes cannot chunk is
+        # refused here, in one line naming what is missing, never emitted half
+        raise CompileError(f"{spec_path}: cannot compile {plans.describe()}")
+    signature_tail = "scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False"
+    signatures = [
+        f"recurrent({_positional(rec)}, {signature_tail}) -> (o, final_state | None)   [differentiable]",
+        f"chunk({_positional(rec)}, {signature_tail}, chunk_size=64, plan=None, chunk_indices=None,"
+        " save_policy=None) -> (o, final_state | None)   [differentiable]",
+        "prepare_varlen(cu_seqlens, chunk_size=64) -> (chunk_indices, chunk_offsets)",
+    ]
+    sections = [emit_recurrent_section(stages["step"]), emit_chunk_section(plans, _positional(rec), _extras_tuple(rec))]
     inputs_tuple = "(" + "".join(f"({i.name!r}, {i.role.value!r}), " for i in rec.inputs) + ")"
     return render(
         "module.py.jinja",
