@@ -40,10 +40,9 @@ def varlen_bounds(T: int) -> list[int]:
 def kernel_configs(module, all_chunk_configs: bool = True) -> list[tuple[str, str, dict]]:
     """(label, function, options) for the recurrent kernel and each chunk plan x chunk size."""
     configs = [("recurrent", "recurrent", {})]
-    if hasattr(module, "chunk"):
-        plans = module.CHUNK_PLANS if all_chunk_configs else (module.DEFAULT_CHUNK_PLAN,)
-        sizes = module.CHUNK_SIZES if all_chunk_configs else (64,)
-        configs += [(f"chunk[{p},{c}]", "chunk", {"plan": p, "chunk_size": c}) for p in plans for c in sizes]
+    plans = module.CHUNK_PLANS if all_chunk_configs else (module.DEFAULT_CHUNK_PLAN,)
+    sizes = module.CHUNK_SIZES if all_chunk_configs else (64,)
+    configs += [(f"chunk[{p},{c}]", "chunk", {"plan": p, "chunk_size": c}) for p in plans for c in sizes]
     return configs
 
 
@@ -72,12 +71,10 @@ def check_module(
 ) -> list[CheckRow]:
     """Every kernel config on two cases (dense with initial state and in-kernel L2 norm; varlen
     with empty and length-1 sequences) per dtype, each against one oracle run on the same inputs.
-    With `gradients` (and a chunk form, which gradients need) also the gradients of every input
-    and the initial state, for the loss <o, dO> + <final state, dS>, against autograd through
-    the oracle."""
+    With `gradients` also the gradients of every input and the initial state, for the loss
+    <o, dO> + <final state, dS>, against autograd through the oracle."""
     generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     configs = kernel_configs(module, all_chunk_configs)
-    gradients = gradients and hasattr(module, "chunk")
     names = ["q", "k", "v"] + [i.name for i in rec.inputs] + ["initial_state"]
     rows = []
     for case in ("dense+h0+l2norm", "varlen+h0"):

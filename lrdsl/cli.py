@@ -162,9 +162,7 @@ def cmd_bench(args) -> int:
     module = load(args.spec)
     shapes = {"training": TRAINING_SHAPES, "decode": DECODE_SHAPES}[args.shapes]
     kernel = "chunk" if args.shapes == "training" else "recurrent"
-    if kernel == "chunk" and not hasattr(module, "chunk"):
-        raise LrdslError(f"{rec.name} has no chunk kernels to benchmark")
-    plans = args.plans.split(",") if args.plans else list(getattr(module, "CHUNK_PLANS", ()))
+    plans = args.plans.split(",") if args.plans else list(module.CHUNK_PLANS)
     import triton
 
     print(f"{rec.name}: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")

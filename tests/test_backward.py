@@ -184,13 +184,14 @@ def test_chunk_gradients_property_shapes(B, T, H, group, K, V, chunk_size, h0, d
     assert_gradients(errors, f"{name} {case} C={chunk_size}")
 
 
-@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet"])
+@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet", "kda_fused_gate", "kda_neg_eigval"])
 def test_chunk_gradients_of_in_kernel_formulas(name, generator, device):
-    """The Qwen3.5 gate's A_log and dt_bias, the raw b under sigmoid; a constant gate."""
+    """The Qwen3.5 gate's A_log and dt_bias, the raw b under sigmoid; a constant gate; KDA's
+    per-key-channel gate (dt_bias [HV, K]) and beta = 2 sigmoid(b) in (0, 2)."""
     errors = gradient_errors(name, GRAD_CASES["gva2_varlen_empty_len1"], generator, device, chunk_size=16)
     assert_gradients(errors, name)
-    if name == "gdn_qwen35":
-        assert {"a", "b", "A_log", "dt_bias"} <= set(errors)
+    names = ["q", "k", "v"] + [i.name for i in recurrence(name).inputs]
+    assert set(names) <= set(errors)
 
 
 @pytest.mark.parametrize("gate", [0.0, -30.0, "half"])

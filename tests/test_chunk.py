@@ -34,7 +34,7 @@ def test_chunk_shapes(name, case, generator, device):
              chunk_size=CASE_CHUNK_SIZE[case])
 
 
-@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet"])
+@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet", "kda_fused_gate", "kda_neg_eigval"])
 @pytest.mark.parametrize("case", ["gva2_h0_scale", "varlen_empty_len1"])
 def test_chunk_in_kernel_formulas(name, case, generator, device):
     run_case(module(name), recurrence(name), "chunk", SHAPE_CASES[case], generator, device, chunk_size=16)
