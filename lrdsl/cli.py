@@ -68,7 +68,7 @@ def _describe_spec(spec) -> str:
     return "\n".join(lines)
 
 
-def _run_checks(spec_path: str, shape, seed, module=None, timed=True, all_chunk_configs=True, gradients=True):
+def _run_checks(spec_path: str, shape, seed, module=None, timed=True, plans=None, chunk_sizes=None, gradients=True):
     import torch
 
     from . import load
@@ -84,7 +84,7 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True, all_chunk_
     where = "CPU, Triton interpreter" if interpreted else torch.cuda.get_device_name()
     print(f"{rec.name}: generated kernels vs the float64 oracle ({where}; {shape}; seed {seed})")
     rows = check_module(module, rec, shape, dtypes=dtypes, device=device, seed=seed, timed=timed,
-                        all_chunk_configs=all_chunk_configs, gradients=gradients)
+                        plans=plans, chunk_sizes=chunk_sizes, gradients=gradients)
     print(format_rows(rows))
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)}/{len(rows)} within tolerance")
@@ -97,7 +97,10 @@ def cmd_check(args) -> int:
     if args.prove:
         return _prove(args.spec)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
-    return _run_checks(args.spec, _parse_shape(args.shape), seed, timed=False, gradients=not args.forward_only)
+    plans = [args.plan] if args.plan else None
+    chunk_sizes = [args.chunk_size] if args.chunk_size else None
+    return _run_checks(args.spec, _parse_shape(args.shape), seed, timed=False, plans=plans, chunk_sizes=chunk_sizes,
+                       gradients=not args.forward_only)
 
 
 def _prove(spec_path: str) -> int:
@@ -143,7 +146,9 @@ def cmd_demo(args) -> int:
     shape = _parse_shape(args.shape or default)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
     # the CPU interpreter is slow: there the demo runs the default chunk plan and size only
-    return _run_checks(args.spec, shape, seed, module=module, all_chunk_configs=not interpreted)
+    if interpreted:
+        return _run_checks(args.spec, shape, seed, module=module, plans=[module.DEFAULT_CHUNK_PLAN], chunk_sizes=[64])
+    return _run_checks(args.spec, shape, seed, module=module)
 
 
 def cmd_bench(args) -> int:
@@ -195,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="2,19,2,4,24,40", help="B,T,H,HV,K,V (default 2,19,2,4,24,40)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--forward-only", action="store_true", help="skip the gradient checks")
+    p.add_argument("--plan", default=None, help="check this chunk plan only (default: every plan)")
+    p.add_argument("--chunk-size", type=int, default=None, help="check this chunk size only (default: every size)")
     p.add_argument("--prove", action="store_true", help="instead: prove the chunk form equal to the recurrence (sympy)")
     p.set_defaults(run=cmd_check)
 

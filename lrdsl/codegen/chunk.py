@@ -216,8 +216,15 @@ def _cumsum(op: Cumsum, ctx: KernelContext) -> list[str]:
         x = var(op.x)
         if op.shape == ("C",):
             return [f"{var(op.out)} = tl.sum(tl.where({rows_before}, {x}[None, :], 0.0), axis=1)"]
-        # per key channel: the same sum as a product with the 0/1 mask, in full precision
-        return [f"{var(op.out)} = tl.dot(tl.where({rows_before}, 1.0, 0.0).to({x}.dtype), {x}, input_precision=\"ieee\")"]
+        # per key channel: the rows shifted by one (each row's own value drops out), then an
+        # inclusive sum -- summed directly too
+        neighbour, inside = ("tl.minimum(o_c + 1, BT - 1)", "o_c < BT - 1") if op.reverse else ("tl.maximum(o_c - 1, 0)", "o_c > 0")
+        rows = f"tl.broadcast_to(({neighbour})[:, None], {ctx.block(op.shape)})"
+        reverse = ", reverse=True" if op.reverse else ""
+        return [
+            f"{var(op.out)} = tl.where(({inside})[:, None], tl.gather({x}, {rows}, axis=0), 0.0)",
+            f"{var(op.out)} = tl.cumsum({var(op.out)}, axis=0{reverse})",
+        ]
     reverse = ", reverse=True" if op.reverse else ""
     return [f"{var(op.out)} = tl.cumsum({var(op.x)}, axis=0{reverse})"]
 
@@ -269,15 +276,17 @@ KEY_CHANNEL_OPS = (DecayedGram, DecayedMatMul)  # the ops that call the helpers 
 # products per decayed product, plus the diagonal (exp2(0) = 1) where it is included.
 KEY_CHANNEL_HELPERS = '''\
 @triton.jit
-def decay_split(x, S: tl.constexpr, BT: tl.constexpr):
-    """One level of the per-channel decay split: blocks of 2S rows split at their middle row r.
+def decay_split(x, S: tl.constexpr, BT: tl.constexpr, R: tl.constexpr):
+    """One level of the per-channel decay split: blocks of 2S rows split at their row r = R
+    (S: the second half's first row; S - 1: the first half's last row; either lies between the
+    rows of every pair the level covers).
 
     Returns up = exp2(x_i - x_r) on rows i of a block's second half (else 0), down = exp2(x_r - x_j)
     on rows j of its first half (else 0), and pairs[i, j]: i in the second half and j in the first
     half of the same block. x does not increase down the rows, so both factors are at most 1."""
     BK: tl.constexpr = x.shape[1]
     blocks = tl.reshape(x, (BT // (2 * S), 2 * S, BK))
-    middle = (tl.arange(0, 2 * S) == S)[None, :, None]
+    middle = (tl.arange(0, 2 * S) == R)[None, :, None]
     x_mid = tl.sum(tl.where(middle, blocks, 0.0), axis=1)  # one row per block, exactly
     x_mid = tl.reshape(tl.broadcast_to(x_mid[:, None, :], (BT // (2 * S), 2 * S, BK)), (BT, BK))
     o_c = tl.arange(0, BT)
@@ -299,7 +308,7 @@ def decayed_gram(a, b, x, INCLUSIVE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: 
         m += tl.where(o_c[:, None] == o_c[None, :], tl.sum(a * b, axis=1)[:, None], 0.0)
     for level in tl.static_range(7):  # blocks of 2S rows, S = 1, 2, 4, ... < BT
         if (1 << level) < BT:
-            up, down, pairs = decay_split(x, 1 << level, BT)
+            up, down, pairs = decay_split(x, 1 << level, BT, 1 << level)
             part = tl.dot((a * up).to(DOT_DTYPE), tl.trans((b * down).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
             m += tl.where(pairs, part, 0.0)
     return m
@@ -309,11 +318,15 @@ def decayed_gram(a, b, x, INCLUSIVE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: 
 def decayed_matmul(m, b, x, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """BT x BK: sum_{j < i} m_ij b_jc exp2(x_ic - x_jc), or with TRANSPOSE
-    sum_{j > i} m_ji b_jc exp2(x_jc - x_ic)."""
+    sum_{j > i} m_ji b_jc exp2(x_jc - x_ic).
+
+    It splits at the row before decayed_gram's: with the same split, the compiler would share
+    the product's operand tiles with a decayed_gram of the same inputs earlier in the kernel and
+    keep them in shared memory until here (a backward kernel then asked for 320 KB)."""
     out = tl.zeros((BT, x.shape[1]), dtype=x.dtype)
     for level in tl.static_range(7):
         if (1 << level) < BT:
-            up, down, pairs = decay_split(x, 1 << level, BT)
+            up, down, pairs = decay_split(x, 1 << level, BT, (1 << level) - 1)
             block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
             if TRANSPOSE:
                 out += down * tl.dot(tl.trans(block), (b * up).to(DOT_DTYPE), input_precision=DOT_PRECISION)
