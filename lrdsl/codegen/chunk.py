@@ -162,9 +162,7 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
     if role is InputRole.TOKEN_KEY:  # [B, T, HV, K]: like v, by value head
         offsets, mask = tile_address(op.shape, "HV", "i_hv", "K")
         return [load_line(target, op.source, offsets, mask)]
-    if role is InputRole.HEAD_KEY:  # [HV, K]
-        return [load_line(target, op.source, "i_hv * K + o_k", "m_k")]
-    raise CompileError(f"{ctx.prog.recurrence.name}: chunk kernels take no {role.value} inputs yet ({op.source})")
+    return [load_line(target, op.source, "i_hv * K + o_k", "m_k")]  # HEAD_KEY: [HV, K]
 
 
 @CHUNK_EMITTERS.register(StateIn)
