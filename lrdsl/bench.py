@@ -1,6 +1,6 @@
 """Side-by-side benchmarks on a GPU: lrdsl's generated kernels vs fla-core (when installed).
 
-    lrdsl bench specs/gdn.toml [--shapes training|decode] [--plans fused,split] [--backward] [--json FILE]
+    lrdsl bench specs/gdn.toml [--shapes training|family|decode] [--plans fused,split] [--backward] [--json FILE]
 
 Protocol (DESIGN.md section 7): same process, same inputs; bf16 q, k, v; fp32 g;
 use_qk_l2norm_in_kernel=True; median of triton.testing.do_bench; peak memory of one call (inputs
@@ -28,6 +28,8 @@ TRAINING_SHAPES = (
     Shape(1, 65536, 2, 8, 128, 128),
 )
 DECODE_SHAPES = (Shape(256, 1, 16, 32, 128, 128), Shape(1, 1, 16, 32, 128, 128))
+# the family's comparison shape (kda, gla against FLA's chunk_kda, chunk_gla): no GVA
+FAMILY_SHAPES = (Shape(4, 4096, 16, 16, 128, 128),)
 
 # The hand-written FLA function each recurrence is compared with, by (gate kind, update, beta);
 # positional inputs line up with the spec's.
@@ -35,6 +37,8 @@ FLA_BASELINES = {
     ("scalar", "delta", True): ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
     ("none", "delta", True): ("fla.ops.delta_rule", "chunk_delta_rule", "fused_recurrent_delta_rule"),
     ("scalar", "plain", False): ("fla.ops.simple_gla", "chunk_simple_gla", "fused_recurrent_simple_gla"),
+    ("key_channel", "delta", True): ("fla.ops.kda", "chunk_kda", "fused_recurrent_kda"),
+    ("key_channel", "plain", False): ("fla.ops.gla", "chunk_gla", "fused_recurrent_gla"),
 }
 
 

@@ -156,7 +156,8 @@ def cmd_bench(args) -> int:
 
     from . import load
     from .bench import (
-        DECODE_SHAPES, HEADER, TRAINING_SHAPES, allow_fla_gated_backward_on_hopper, bench, format_row, to_json,
+        DECODE_SHAPES, FAMILY_SHAPES, HEADER, TRAINING_SHAPES, allow_fla_gated_backward_on_hopper, bench, format_row,
+        to_json,
     )
     from .passes.pipeline import run_pipeline
     from .spec import load_spec
@@ -165,8 +166,8 @@ def cmd_bench(args) -> int:
         raise LrdslError("bench needs a CUDA GPU (timings on the CPU interpreter mean nothing)")
     rec = run_pipeline(load_spec(args.spec), until="recurrence")["recurrence"]
     module = load(args.spec)
-    shapes = {"training": TRAINING_SHAPES, "decode": DECODE_SHAPES}[args.shapes]
-    kernel = "chunk" if args.shapes == "training" else "recurrent"
+    shapes = {"training": TRAINING_SHAPES, "family": FAMILY_SHAPES, "decode": DECODE_SHAPES}[args.shapes]
+    kernel = "recurrent" if args.shapes == "decode" else "chunk"
     plans = args.plans.split(",") if args.plans else list(module.CHUNK_PLANS)
     import triton
 
@@ -207,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="time the generated kernels side by side with fla-core (GPU)")
     p.add_argument("spec")
-    p.add_argument("--shapes", choices=["training", "decode"], default="training")
+    p.add_argument("--shapes", choices=["training", "family", "decode"], default="training",
+                   help="training: the GDN shapes (GVA); family: 4 x 4096, H = HV = 16 (kda, gla vs FLA); decode")
     p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: all)")
     p.add_argument("--backward", action="store_true", help="time forward + backward (training)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
