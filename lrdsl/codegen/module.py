@@ -6,6 +6,7 @@ caches and imports it.
 from __future__ import annotations
 
 from .. import __version__
+from ..errors import CompileError
 from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence
 from ..ir.step import StepProgram
@@ -25,12 +26,10 @@ def _positional(rec: Recurrence) -> list[str]:
     return list(POSITIONAL) + [i.name for i in rec.inputs]
 
 
-def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> str:
+def emit_recurrent_section(step: StepProgram) -> str:
     rec = step.recurrence
     return render(
         "recurrent_api.py.jinja",
-        has_chunk=no_chunk_reason is None,
-        no_chunk_reason=no_chunk_reason or "",
         kernel=emit_recurrent_kernel(step),
         kernel_name=kernel_name(step),
         spec_name=rec.name,
@@ -44,17 +43,17 @@ def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> st
 
 def emit_module(stages: dict, spec_path: str) -> str:
     rec: Recurrence = stages["recurrence"]
-    signatures = [f"recurrent({signature(_positional(rec), RECURRENT_OPTIONS)}) -> (o, final_state | None)"]
-    if not isinstance(stages["save"], NoChunkForm):
-        signatures[0] += "   [differentiable]"
     plans = stages["save"]
-    sections = [emit_recurrent_section(stages["step"], plans.reason if isinstance(plans, NoChunkForm) else None)]
     if isinstance(plans, NoChunkForm):
-        signatures.append(f"chunk: not generated ({plans.reason}); mod.chunk raises an AttributeError that says so")
-    else:
-        signatures.append(f"chunk({signature(_positional(rec), CHUNK_OPTIONS)}) -> (o, final_state | None)   [differentiable]")
-        signatures.append("prepare_varlen(cu_seqlens, chunk_size=64) -> VarlenChunks, for chunk(..., chunk_indices=)")
-        sections.append(emit_chunk_section(plans, _positional(rec)))
+        # every module has a differentiable chunk(): a recurrence the passes cannot chunk is
+        # refused here, in one line naming what is missing, never emitted half
+        raise CompileError(f"{spec_path}: cannot compile {plans.describe()}")
+    signatures = [
+        f"recurrent({signature(_positional(rec), RECURRENT_OPTIONS)}) -> (o, final_state | None)   [differentiable]",
+        f"chunk({signature(_positional(rec), CHUNK_OPTIONS)}) -> (o, final_state | None)   [differentiable]",
+        "prepare_varlen(cu_seqlens, chunk_size=64) -> VarlenChunks, for chunk(..., chunk_indices=)",
+    ]
+    sections = [emit_recurrent_section(stages["step"]), emit_chunk_section(plans, _positional(rec))]
     inputs_tuple = "(" + "".join(f"({i.name!r}, {i.role.value!r}), " for i in rec.inputs) + ")"
     return render(
         "module.py.jinja",
