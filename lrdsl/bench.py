@@ -56,7 +56,9 @@ TRAINING_SHAPES = (
     Shape(1, 65536, 2, 8, 128, 128),
 )
 DECODE_SHAPES = tuple(Shape(B, 1, 16, 32, 128, 128) for B in (1, 64, 256, 1024))
-SHAPE_GROUPS = {"training": TRAINING_SHAPES, "decode": DECODE_SHAPES}
+# the family's comparison shape (kda, gla against FLA's chunk_kda, chunk_gla): no GVA
+FAMILY_SHAPES = (Shape(4, 4096, 16, 16, 128, 128),)
+SHAPE_GROUPS = {"training": TRAINING_SHAPES, "family": FAMILY_SHAPES, "decode": DECODE_SHAPES}
 
 FORWARD, FORWARD_BACKWARD, DECODE, DECODE_GRAPH = "fwd", "fwd+bwd", "decode", "decode graph"
 MODES = (FORWARD, FORWARD_BACKWARD, DECODE, DECODE_GRAPH)
@@ -92,9 +94,13 @@ def shape_label(shape: Shape) -> str:
 
 
 def parse_shapes(text: str) -> list[Shape]:
-    """Comma-separated: a group (training, decode), a known shape by BxT (4x4096, 256x1), or any
-    shape as BxTxHxHV or BxTxHxHVxKxV (K = V = 128 unless given). T = 1 is a decode shape."""
-    known = {f"{s.B}x{s.T}": s for group in SHAPE_GROUPS.values() for s in group}
+    """Comma-separated: a group (training, family, decode), a known shape by BxT (4x4096, 256x1;
+    the first group that has one names it), or any shape as BxTxHxHV or BxTxHxHVxKxV (K = V = 128
+    unless given). T = 1 is a decode shape."""
+    known: dict[str, Shape] = {}
+    for group in SHAPE_GROUPS.values():
+        for s in group:
+            known.setdefault(f"{s.B}x{s.T}", s)
     shapes: list[Shape] = []
     for token in (t.strip() for t in text.split(",")):
         if token in SHAPE_GROUPS:
@@ -107,7 +113,7 @@ def parse_shapes(text: str) -> list[Shape]:
 
 
 def _parse_shape_token(token: str, known: dict) -> Shape:
-    usage = (f"--shapes: {token!r} is not a shape; give training, decode, one of {', '.join(known)}, "
+    usage = (f"--shapes: {token!r} is not a shape; give {', '.join(SHAPE_GROUPS)}, one of {', '.join(known)}, "
              "or BxTxHxHV[xKxV]")
     try:
         values = [int(x) for x in token.split("x")]
@@ -182,6 +188,17 @@ FLA_BASELINES = {
         "fla.ops.simple_gla",
         FlaFunction("chunk_simple_gla", {"gate": "g"}, l2norm=False),
         FlaFunction("fused_recurrent_simple_gla", {"gate": "g"}, l2norm=False),
+    ),
+    # key-channel gates: g [B, T, HV, K]; fused_recurrent_gla names its key gate gk
+    ("key_channel", "delta", True): FlaBaseline(
+        "fla.ops.kda",
+        FlaFunction("chunk_kda", _GATE_AND_BETA),
+        FlaFunction("fused_recurrent_kda", _GATE_AND_BETA),
+    ),
+    ("key_channel", "plain", False): FlaBaseline(
+        "fla.ops.gla",
+        FlaFunction("chunk_gla", {"gate": "g"}, l2norm=False),
+        FlaFunction("fused_recurrent_gla", {"gate": "gk"}, l2norm=False),
     ),
 }
 
@@ -703,7 +720,6 @@ def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda
     `on_rows` gets each group's rows as soon as they exist (a long run shows progress), `on_note`
     one-line notes (a skipped shape)."""
     rows: list[BenchRow] = []
-    note = on_note or (lambda text: None)
     generator = torch.Generator().manual_seed(seed)
     measure = measurers(device)
     tolerance = TOLERANCE[dtype]
@@ -712,9 +728,6 @@ def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda
         fla = resolve_fla(baseline, importer)
         for shape in shapes:
             decode = is_decode(shape)
-            if not decode and not hasattr(spec.module, "chunk"):
-                note(f"{spec.name} {shape_label(shape)}: skipped, {spec.name} has no chunk kernels")
-                continue
             function = None if baseline is None else (baseline.recurrent if decode else baseline.chunk)
             l2norm = function is None or function.l2norm
             contenders = []

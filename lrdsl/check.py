@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
+from .errors import LrdslError
 from .ir.recurrence import Recurrence
 from .workloads import TOLERANCE, Shape, make_inputs, relative_error
 
@@ -37,13 +38,17 @@ def varlen_bounds(T: int) -> list[int]:
     return [0, 0, 1, 1 + first, 1 + first, T]
 
 
-def kernel_configs(module, all_chunk_configs: bool = True) -> list[tuple[str, str, dict]]:
-    """(label, function, options) for the recurrent kernel and each chunk plan x chunk size."""
+def kernel_configs(module, plans=None, chunk_sizes=None) -> list[tuple[str, str, dict]]:
+    """(label, function, options) for the recurrent kernel and each chunk plan x chunk size
+    (all of the module's, or the ones named)."""
+    plans = tuple(plans or module.CHUNK_PLANS)
+    chunk_sizes = tuple(chunk_sizes or module.CHUNK_SIZES)
+    unknown = [p for p in plans if p not in module.CHUNK_PLANS] + [c for c in chunk_sizes if c not in module.CHUNK_SIZES]
+    if unknown:
+        raise LrdslError(f"no chunk plan or size {unknown[0]!r}; plans: {', '.join(module.CHUNK_PLANS)}; "
+                         f"sizes: {', '.join(str(c) for c in module.CHUNK_SIZES)}")
     configs = [("recurrent", "recurrent", {})]
-    if hasattr(module, "chunk"):
-        plans = module.CHUNK_PLANS if all_chunk_configs else (module.DEFAULT_CHUNK_PLAN,)
-        sizes = module.CHUNK_SIZES if all_chunk_configs else (64,)
-        configs += [(f"chunk[{p},{c}]", "chunk", {"plan": p, "chunk_size": c}) for p in plans for c in sizes]
+    configs += [(f"chunk[{p},{c}]", "chunk", {"plan": p, "chunk_size": c}) for p in plans for c in chunk_sizes]
     return configs
 
 
@@ -67,19 +72,18 @@ def check_module(
     device: str = "cpu",
     seed: int | None = None,
     timed: bool = True,
-    all_chunk_configs: bool = True,
+    plans=None,
+    chunk_sizes=None,
     gradients: bool = True,
     on_row=None,
 ) -> list[CheckRow]:
-    """Every kernel config on two cases (dense with initial state and in-kernel L2 norm; varlen
+    """Every kernel config (or the chunk plans and sizes named) on two cases (dense with initial state and in-kernel L2 norm; varlen
     with empty and length-1 sequences) per dtype, each against one oracle run on the same inputs.
-    With `gradients` (and a chunk form, which gradients need) also the gradients of every input
-    and the initial state, for the loss <o, dO> + <final state, dS>, against autograd through
-    the oracle. `on_row(row, done, total)` is called as each row finishes (a long run shows
-    progress)."""
+    With `gradients` also the gradients of every input and the initial state, for the loss
+    <o, dO> + <final state, dS>, against autograd through the oracle. `on_row(row, done, total)`
+    is called as each row finishes (a long run shows progress)."""
     generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    configs = kernel_configs(module, all_chunk_configs)
-    gradients = gradients and hasattr(module, "chunk")
+    configs = kernel_configs(module, plans, chunk_sizes)
     names = ["q", "k", "v"] + [i.name for i in rec.inputs] + ["initial_state"]
     cases = ("dense+h0+l2norm", "varlen+h0")
     total = len(cases) * len(dtypes) * len(configs)

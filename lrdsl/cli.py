@@ -84,7 +84,7 @@ def _describe_spec(spec) -> str:
     return "\n".join(lines)
 
 
-def _run_checks(spec_path: str, shape, seed, module=None, timed=True, all_chunk_configs=True, gradients=True):
+def _run_checks(spec_path: str, shape, seed, module=None, timed=True, plans=None, chunk_sizes=None, gradients=True):
     import torch
 
     from . import load
@@ -114,7 +114,7 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True, all_chunk_
         print(f"{format_row(row)}  [{progress}]", flush=True)
 
     rows = check_module(module, rec, shape, dtypes=dtypes, device=device, seed=seed, timed=timed,
-                        all_chunk_configs=all_chunk_configs, gradients=gradients, on_row=show_progress)
+                        plans=plans, chunk_sizes=chunk_sizes, gradients=gradients, on_row=show_progress)
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)}/{len(rows)} within tolerance")
     return 1 if failed else 0
@@ -131,7 +131,10 @@ def cmd_check(args) -> int:
     if args.prove:
         return _prove(args.spec, backward=not args.forward_only)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
-    return _run_checks(args.spec, _parse_shape(args.shape), seed, timed=False, gradients=not args.forward_only)
+    plans = [args.plan] if args.plan else None
+    chunk_sizes = [args.chunk_size] if args.chunk_size else None
+    return _run_checks(args.spec, _parse_shape(args.shape), seed, timed=False, plans=plans, chunk_sizes=chunk_sizes,
+                       gradients=not args.forward_only)
 
 
 def _prove(spec_path: str, backward: bool = True) -> int:
@@ -178,7 +181,9 @@ def cmd_demo(args) -> int:
     shape = _parse_shape(args.shape or default)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
     # the CPU interpreter is slow: there the demo runs the default chunk plan and size only
-    return _run_checks(args.spec, shape, seed, module=module, all_chunk_configs=not interpreted)
+    if interpreted:
+        return _run_checks(args.spec, shape, seed, module=module, plans=[module.DEFAULT_CHUNK_PLAN], chunk_sizes=[64])
+    return _run_checks(args.spec, shape, seed, module=module)
 
 
 def cmd_bench(args) -> int:
@@ -268,7 +273,7 @@ def _bench_on_gpu(args, spec_paths, shapes, plans) -> int:
         rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
         module = load(path)
         for plan in plans or ():
-            if hasattr(module, "chunk") and plan not in module.CHUNK_PLANS:
+            if plan not in module.CHUNK_PLANS:
                 raise LrdslError(f"--plans: {rec.name} has no plan {plan!r}; plans: {', '.join(module.CHUNK_PLANS)}")
         specs.append(SpecUnderTest(rec.name, rec, module))
 
@@ -323,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="1,20,1,2,16,24", help="B,T,H,HV,K,V (default 1,20,1,2,16,24)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--forward-only", action="store_true", help="skip the gradient checks (with --prove: the backward's proof)")
+    p.add_argument("--plan", default=None, help="check this chunk plan only (default: every plan)")
+    p.add_argument("--chunk-size", type=int, default=None, help="check this chunk size only (default: every size)")
     p.add_argument("--prove", action="store_true",
                    help="instead: prove the chunk form and its backward equal to the recurrence (sympy)")
     p.set_defaults(run=cmd_check)
@@ -331,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("specs", nargs="*", metavar="SPEC", help="spec files (or --all)")
     p.add_argument("--all", action="store_true", help="every spec in ./specs with an FLA counterpart")
     p.add_argument("--shapes", default="training",
-                   help="comma-separated: training, decode, a known shape by BxT (4x4096, 256x1) or "
+                   help="comma-separated: training, family (4 x 4096, H = HV = 16: kda, gla vs FLA), decode, a known shape by BxT (4x4096, 256x1) or "
                         "BxTxHxHV[xKxV]; T = 1 is decode (default training)")
     p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: the module's default plan)")
     p.add_argument("--backward", action="store_true", help="also time forward + backward (training shapes)")

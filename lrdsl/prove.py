@@ -1,7 +1,8 @@
 """Symbolic proof that a derived chunk program equals the unrolled recurrence.
 
 For tiny sizes (C = 2 and 3, K = V = 2) every input is a sympy symbol: q, k, v entries, the raw
-inputs of the gate and beta formulas, the entry state H and the scale. The chunk program is
+inputs of the gate and beta formulas (per token, head and key channel), the entry state H and
+the scale. The chunk program is
 evaluated on sympy matrices (lrdsl.ir.evaluate) and the recurrence is unrolled token by token
 from the recurrence IR; each entry of O and of the exit state must agree exactly. A tail case
 (C = 3 with 2 rows in the sequence) checks the padding rules of the last chunk.
@@ -64,10 +65,14 @@ class SymbolicChunk:
                 self.raw[inp.name] = sympy.Matrix(
                     C, 1, lambda i, j, n=inp.name: sympy.Symbol(f"{n}_{i}", real=True) if i < rows else 0
                 )
-            elif inp.role is InputRole.HEAD:
-                self.raw[inp.name] = sympy.Symbol(inp.name, real=True)
+            elif inp.role is InputRole.TOKEN_KEY:
+                self.raw[inp.name] = sympy.Matrix(
+                    C, K, lambda i, j, n=inp.name: sympy.Symbol(f"{n}_{i}{j}", real=True) if i < rows else 0
+                )
+            elif inp.role is InputRole.HEAD_KEY:
+                self.raw[inp.name] = sympy.Matrix(1, K, lambda i, j, n=inp.name: sympy.Symbol(f"{n}_{j}", real=True))
             else:
-                raise ValueError(f"{rec.name}: the proof handles per-token and per-head scalar inputs only")
+                self.raw[inp.name] = sympy.Symbol(inp.name, real=True)
 
     @property
     def sizes(self) -> dict:
@@ -85,13 +90,31 @@ class SymbolicChunk:
                 env[op.out] = saved[op.source[len(SAVED):]] if op.source.startswith(SAVED) else sources[op.source]
         return evaluate_sympy(prog, env, self.sizes, valid_rows=self.rows)
 
+    def values_at(self, t: int, channel: int = 0) -> dict:
+        """Formula symbol -> its value at row t (and key channel `channel` for per-channel inputs)."""
+        roles = {i.name: i.role for i in self.rec.inputs}
+        values = {HEAD_INDEX: self.head}
+        for name, x in self.raw.items():
+            role = roles[name]
+            if role is InputRole.TOKEN:
+                values[sympy.Symbol(name)] = x[t, 0]
+            elif role is InputRole.TOKEN_KEY:
+                values[sympy.Symbol(name)] = x[t, channel]
+            elif role is InputRole.HEAD_KEY:
+                values[sympy.Symbol(name)] = x[0, channel]
+            else:
+                values[sympy.Symbol(name)] = x
+        return values
+
     def unrolled(self):
         """The recurrence token by token (docs/design.md §1): (output rows, final state)."""
         rec, S, outputs = self.rec, self.H, []
         for t in range(self.rows):
-            values = {sympy.Symbol(n): (x[t, 0] if isinstance(x, sympy.MatrixBase) else x) for n, x in self.raw.items()}
-            values[HEAD_INDEX] = self.head
-            if rec.gate is not GateKind.NONE:
+            values = self.values_at(t)
+            if rec.gate is GateKind.KEY_CHANNEL:  # Diag(exp(g_t)) S: row c of the state decays by channel c
+                decay = [sympy.exp(rec.log_decay.subs(self.values_at(t, c), simultaneous=True)) for c in range(self.K)]
+                S = sympy.diag(*decay) * S
+            elif rec.gate is not GateKind.NONE:
                 S = sympy.exp(rec.log_decay.subs(values, simultaneous=True)) * S
             u = self.v[t, :] - (S.T * self.k[t, :].T).T if rec.is_delta else self.v[t, :]
             if rec.has_beta:

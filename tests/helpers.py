@@ -13,7 +13,8 @@ from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from conftest import SPECS
 
-CORE_SPECS = ("gdn", "deltanet", "simple_gla", "linear_attn")
+# the four update x gate families of the shipped specs: delta / plain x none / scalar / key-channel
+CORE_SPECS = ("gdn", "deltanet", "simple_gla", "linear_attn", "kda", "gla")
 ALL_SPECS = tuple(sorted(p.stem for p in SPECS.glob("*.toml")))
 
 # hypothesis strategies of the property tests: shapes (HV = H * group; K and V not powers of two

@@ -186,20 +186,23 @@ def test_chunk_gradients_property_shapes(B, T, H, group, K, V, chunk_size, h0, d
     assert_gradients(errors, f"{name} {case} C={chunk_size}")
 
 
-@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet"])
+@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet", "kda_fused_gate", "kda_neg_eigval"])
 def test_chunk_gradients_of_in_kernel_formulas(name, generator, device):
-    """The Qwen3.5 gate's A_log and dt_bias, the raw b under sigmoid; a constant gate."""
+    """The Qwen3.5 gate's A_log and dt_bias, the raw b under sigmoid; a constant gate; KDA's
+    per-key-channel gate (dt_bias [HV, K]) and beta = 2 sigmoid(b) in (0, 2)."""
     errors = gradient_errors(name, GRAD_CASES["gva2_varlen_empty_len1"], generator, device, chunk_size=16)
     assert_gradients(errors, name)
-    if name == "gdn_qwen35":
-        assert {"a", "b", "A_log", "dt_bias"} <= set(errors)
+    names = ["q", "k", "v"] + [i.name for i in recurrence(name).inputs]
+    assert set(names) <= set(errors)
 
 
 @pytest.mark.parametrize("gate", [0.0, -30.0, "half"])
-@pytest.mark.parametrize("name", ["gdn", "simple_gla"])
-def test_gradients_at_gate_extremes(name, gate, generator, device):
-    case = dict(shape=Shape(1, 33, 1, 2, 16, 16), h0=True, dht=True)
-    assert_gradients(gradient_errors(name, case, generator, device, gate=gate, chunk_size=16), f"{name} g={gate}")
+@pytest.mark.parametrize("name, chunk_size", [("gdn", 16), ("simple_gla", 16), ("kda", 16), ("gla", 16), ("kda", 64), ("gla", 64)])
+def test_gradients_at_gate_extremes(name, chunk_size, gate, generator, device):
+    """Key-channel gates also in 64-row chunks, where the decay split's widest levels run."""
+    case = dict(shape=Shape(1, 33 if chunk_size == 16 else 70, 1, 2, 16, 16), h0=True, dht=True)
+    errors = gradient_errors(name, case, generator, device, gate=gate, chunk_size=chunk_size)
+    assert_gradients(errors, f"{name} C={chunk_size} g={gate}")
 
 
 @pytest.mark.parametrize("plan", ["fused", "split"])
@@ -210,18 +213,9 @@ def test_gradients_every_plan_and_policy(plan, save_policy, generator, device):
     assert_gradients(errors, f"{plan}/{save_policy}")
 
 
-@pytest.mark.parametrize("name", ["gdn", "linear_attn"])
+@pytest.mark.parametrize("name", ["gdn", "linear_attn", "kda", "gla"])
 def test_recurrent_gradients_route_through_the_chunk_backward(name, generator, device):
     assert_gradients(gradient_errors(name, GRAD_CASES["gva1_h0_dht"], generator, device, kernel="recurrent"), name)
-
-
-def test_recurrent_of_key_channel_spec_refuses_gradients(generator):
-    rec, mod = recurrence("kda"), module("kda")
-    tensors = [t.detach().requires_grad_() for t in sample(rec, Shape(1, 4, 1, 1, 8, 8), torch.float32, generator)]
-    with pytest.raises(mod.InputError, match="gradients need the chunk form"):
-        mod.recurrent(*tensors)
-    with torch.no_grad():
-        mod.recurrent(*tensors)
 
 
 def test_gradients_are_bitwise_reproducible(generator, device):
@@ -325,9 +319,10 @@ def test_check_reports_a_gradient_error_the_forward_hides(generator, device):
         o, ht = mod.chunk(*args, **kwargs)
         return o + 0.5 * (o - o.detach()), ht  # the same values; gradients through o 1.5x too large
 
-    shim = SimpleNamespace(chunk=chunk_with_wrong_gradient, recurrent=mod.recurrent, DEFAULT_CHUNK_PLAN="split")
+    shim = SimpleNamespace(chunk=chunk_with_wrong_gradient, recurrent=mod.recurrent, CHUNK_PLANS=mod.CHUNK_PLANS,
+                           CHUNK_SIZES=mod.CHUNK_SIZES)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-    rows = check_module(shim, rec, Shape(1, 12, 1, 2, 8, 8), device=device, seed=seed, timed=False, all_chunk_configs=False)
+    rows = check_module(shim, rec, Shape(1, 12, 1, 2, 8, 8), device=device, seed=seed, timed=False, plans=["split"], chunk_sizes=[64])
     by_kernel = {(row.kernel, row.case): row for row in rows}
     for case in ("dense+h0+l2norm", "varlen+h0"):
         assert by_kernel["recurrent", case].ok

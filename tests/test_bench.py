@@ -31,13 +31,14 @@ TINY_DECODE = Shape(2, 1, 1, 2, 16, 16)
 
 
 class FakeFla:
-    """Modules fla.ops.{gated_delta_rule, delta_rule, simple_gla}; `calls` records (function,
-    positional args, keyword args) of every call."""
+    """Modules fla.ops.{gated_delta_rule, delta_rule, simple_gla, kda, gla}, with fla-core's
+    parameter names; `calls` records (function, positional args, keyword args) of every call."""
 
     def __init__(self):
         self.calls = []
         record = self._record
         gdn, deltanet, simple_gla = recurrence("gdn"), recurrence("deltanet"), recurrence("simple_gla")
+        kda, gla = recurrence("kda"), recurrence("gla")
 
         def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -77,11 +78,38 @@ class FakeFla:
             record("fused_recurrent_simple_gla", locals())
             return _as_fla(simple_gla, q, k, v, [g], scale, initial_state, output_final_state, False)
 
+        def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                      chunk_indices=None, **kwargs):
+            record("chunk_kda", locals())
+            return _as_fla(kda, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                                output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                                state_v_first=False, cu_seqlens=None, **kwargs):
+            record("fused_recurrent_kda", locals())
+            return _as_fla(kda, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def chunk_gla(q, k, v, g=None, g_cumsum=None, scale=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None, **kwargs):
+            record("chunk_gla", locals())
+            return _as_fla(gla, q, k, v, [g], scale, initial_state, output_final_state, False)
+
+        def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None, output_final_state=False,
+                                reverse=False, state_v_first=False, cu_seqlens=None, **kwargs):
+            record("fused_recurrent_gla", locals())
+            if gv is not None:
+                raise ValueError("this fake has no value-channel gate (gv)")
+            return _as_fla(gla, q, k, v, [gk], scale, initial_state, output_final_state, False)
+
         self.modules = {}
         for package, functions in {
             "fla.ops.gated_delta_rule": (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule),
             "fla.ops.delta_rule": (chunk_delta_rule, fused_recurrent_delta_rule),
             "fla.ops.simple_gla": (chunk_simple_gla, fused_recurrent_simple_gla),
+            "fla.ops.kda": (chunk_kda, fused_recurrent_kda),
+            "fla.ops.gla": (chunk_gla, fused_recurrent_gla),
         }.items():
             fake = types.ModuleType(package)
             for function in functions:
@@ -119,7 +147,7 @@ def tiny_call(rec, shape, generator, l2norm=True, dtype=torch.float32):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla"])
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "kda", "gla"])
 @pytest.mark.parametrize("decode", [False, True], ids=["chunk", "recurrent"])
 def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decode, fake_fla, generator):
     rec = recurrence(name)
@@ -127,7 +155,7 @@ def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decod
     fla_chunk, fla_recurrent = bench.resolve_fla(baseline, fake_fla.importer)
     function, fla_function = (baseline.recurrent, fla_recurrent) if decode else (baseline.chunk, fla_chunk)
     l2norm = function.l2norm
-    assert l2norm == (name != "simple_gla")  # fla-core's simple_gla has no in-kernel L2 norm
+    assert l2norm == (name not in ("simple_gla", "gla"))  # fla-core's (simple) GLA has no in-kernel L2 norm
     contender = bench.fla_contender(rec, function, fla_function, l2norm, fake_fla.importer)
     assert contender.problem is None
     call = tiny_call(rec, TINY_DECODE if decode else TINY_TRAINING, generator, l2norm)
@@ -139,10 +167,11 @@ def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decod
     q, k, v, *extras = call.tensors
     assert arguments["q"] is q and arguments["k"] is k and arguments["v"] is v
     by_role = {bench.input_role(rec, i.name): x for i, x in zip(rec.inputs, extras)}
-    expected_parameter = {"gate": "g", "beta": "beta"}
+    # fused_recurrent_gla names its key-channel gate gk
+    expected_parameter = {"gate": "gk" if called == "fused_recurrent_gla" else "g", "beta": "beta"}
     for role, tensor in by_role.items():
         assert arguments[expected_parameter[role]] is tensor, f"{role} not passed as {expected_parameter[role]}"
-    if "gk" in arguments:  # fused_recurrent_gated_delta_rule: beta must not land in gk (its 5th parameter)
+    if "gk" in arguments and called != "fused_recurrent_gla":  # beta must not land in gk (5th parameter)
         assert arguments["gk"] is None and arguments["gv"] is None
     assert arguments["initial_state"] is call.initial_state and arguments["output_final_state"] is True
     assert arguments["scale"] == call.scale
@@ -177,7 +206,8 @@ def test_an_fla_function_without_a_needed_parameter_is_a_failed_row_not_a_silent
 def test_specs_without_an_fla_counterpart_are_recognised():
     assert bench.fla_baseline(recurrence("gdn_qwen35")) is None  # its inputs pass through formulas
     assert bench.fla_baseline(recurrence("linear_attn")) is None
-    assert bench.fla_baseline(recurrence("kda")) is None
+    assert bench.fla_baseline(recurrence("kda_neg_eigval")) is None  # beta = 2 sigmoid(b): FLA takes beta
+    assert bench.fla_baseline(recurrence("kda_fused_gate")) is None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), FakeFla().importer) is not None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), _no_fla) is None
 
@@ -497,7 +527,8 @@ def test_bench_command_errors_are_one_line_before_any_gpu_work(tmp_path, capsys)
 def test_all_picks_every_spec_with_an_fla_counterpart(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     args = cli.build_parser().parse_args(["bench", "--all"])
-    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/simple_gla.toml"]
+    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/gla.toml", "specs/kda.toml",
+                                           "specs/simple_gla.toml"]
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LrdslError, match="no spec in ./specs has an FLA counterpart"):
         cli._bench_spec_paths(args)

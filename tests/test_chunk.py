@@ -34,7 +34,7 @@ def test_chunk_shapes(name, case, generator, device):
              chunk_size=CASE_CHUNK_SIZE[case])
 
 
-@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet"])
+@pytest.mark.parametrize("name", ["gdn_qwen35", "retnet", "kda_fused_gate", "kda_neg_eigval"])
 @pytest.mark.parametrize("case", ["gva2_h0_scale", "varlen_empty_len1"])
 def test_chunk_in_kernel_formulas(name, case, generator, device):
     run_case(module(name), recurrence(name), "chunk", SHAPE_CASES[case], generator, device, chunk_size=16)
@@ -50,6 +50,18 @@ def test_chunk_gate_extremes(name, gate, generator, device):
     """g = 0 exactly, -1e-6, -30 (everything forgotten at once) and half -30 / half 0: no NaN/Inf."""
     case = dict(shape=Shape(1, 40, 1, 2, 16, 16), dtype=torch.float32, h0=True)
     run_case(module(name), recurrence(name), "chunk", case, generator, device, gate=gate, chunk_size=16)
+
+
+KEY_CHANNEL = [n for n in CORE_SPECS if recurrence(n).gate.value == "key_channel"]
+
+
+@pytest.mark.parametrize("gate", [0.0, -30.0, "half"])
+@pytest.mark.parametrize("name", KEY_CHANNEL)
+def test_key_channel_gate_extremes_in_long_chunks(name, gate, generator, device):
+    """Per-channel decay over 64-row chunks (and a 6-row tail): at g = -30 per step a decay
+    factored over the chunk would reach 2^(-43 * 63); the kernels stay finite and accurate."""
+    case = dict(shape=Shape(1, 70, 1, 2, 16, 16), dtype=torch.float32, h0=True)
+    run_case(module(name), recurrence(name), "chunk", case, generator, device, gate=gate, chunk_size=64)
 
 
 @pytest.mark.parametrize("beta", BETA_EXTREMES)
@@ -108,7 +120,7 @@ def test_prefill_then_decode_equals_one_prefill(name, generator, device):
     assert relative_error(state, h_all) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "linear_attn"])
+@pytest.mark.parametrize("name", CORE_SPECS)
 def test_every_chunk_size_and_plan_agree(name, generator, device):
     rec, mod = recurrence(name), module(name)
     tensors = sample(rec, Shape(1, 70, 2, 2, 24, 24), torch.float32, generator)

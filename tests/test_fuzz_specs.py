@@ -7,7 +7,7 @@ powers of negative values up to x**7 and x**(-5), integral float exponents, frac
 bases that cannot be negative, negative constants and constant bases, the head index in constant
 gates). Each is checked against the float64 oracle on tiny shapes: the recurrent kernel, the chunk
 forward in every plan and chunk size, and gradients (one kernel, plan, chunk size and save policy
-per example). Key-channel gates have no chunk form yet: recurrent only.
+per example).
 
 Invalid specs: a valid one with one thing broken; the error must be one line naming the file, the
 line (where the key is in the file) and the key.
@@ -117,10 +117,6 @@ class FuzzSpec:
     inputs: tuple[tuple[str, str], ...]  # (name, role), positional order
     log_decay: str | None
     beta: str | None
-
-    @property
-    def chunked(self) -> bool:
-        return self.gate != "key_channel"
 
     def document(self) -> dict:
         formulas = {k: v for k, v in (("log_decay", self.log_decay), ("beta", self.beta)) if v is not None}
@@ -269,9 +265,6 @@ def test_valid_specs_match_the_oracle(spec, case, tmp_path, generator, device):
                              **options)
 
     assert_errors(errors("recurrent", False), LIMIT, "recurrent")
-    if not spec.chunked:
-        assert not hasattr(mod, "chunk")
-        return
     for plan in mod.CHUNK_PLANS:
         for size in mod.CHUNK_SIZES:
             assert_errors(errors("chunk", False, plan=plan, chunk_size=size), LIMIT, f"chunk[{plan},{size}]")

@@ -123,3 +123,28 @@ def test_gpu_large_and_odd_head_dims(name, K, V, generator):
     case = dict(shape=Shape(1, 300, 1, 2, K, V))
     _forward(name, "chunk", case, generator)
     _gradients(name, case, generator)
+
+
+@pytest.mark.parametrize("gate", [0.0, -30.0, "half"])
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+@pytest.mark.parametrize("name", ["kda", "gla"])
+def test_gpu_key_channel_gate_extremes(name, chunk_size, gate, generator):
+    """Per-channel decay at g = 0, -30 per step and half of each, at real sizes in bf16: outputs,
+    final state and every gradient finite and within tolerance, in every chunk size."""
+    rec = recurrence(name)
+    shape = Shape(1, 600, 2, 4, 128, 128)
+    tensors = [t.cuda() for t in sample(rec, shape, torch.bfloat16, generator, gate=gate, normalize_keys=False)]
+    h0 = torch.randn(1, shape.HV, shape.K, shape.V, generator=generator).cuda()
+    d_o = torch.randn(1, shape.T, shape.HV, shape.V, generator=generator).cuda()
+    kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    leaves = [t.detach().clone().requires_grad_() for t in tensors] + [h0.detach().clone().requires_grad_()]
+    o, ht = module(name).chunk(*leaves[:-1], initial_state=leaves[-1], chunk_size=chunk_size, **kwargs)
+    grads = torch.autograd.grad((o, ht), leaves, (d_o.to(o.dtype), torch.ones_like(ht)))
+    refs = [t.detach().double().requires_grad_() for t in tensors] + [h0.detach().double().requires_grad_()]
+    ref_o, ref_ht = reference.run(rec, *refs[:-1], initial_state=refs[-1], **kwargs)
+    ref_grads = torch.autograd.grad((ref_o, ref_ht), refs, (d_o.double(), torch.ones_like(ref_ht)))
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs] + ["h0"]
+    errors = {"o": relative_error(o, ref_o), "ht": relative_error(ht, ref_ht)}
+    errors.update({f"d{n}": relative_error(a, b) for n, a, b in zip(names, grads, ref_grads)})
+    report(spec=name, kernel="chunk", pass_="gate_extremes", gate=str(gate), chunk_size=chunk_size, **errors)
+    assert all(e <= LIMIT for e in errors.values()), errors

@@ -221,15 +221,3 @@ def test_one_positional_tensor_too_many(kernel, generator):
     assert "\n" not in message and "tensor(" not in message
     assert f"gdn.{kernel}: scale must be a number, got a tensor [1, 5, 4]: one tensor too many?" in message
     assert "takes 5 tensors (q, k, v, g, beta), given q [1, 5, 2, 8], k [1, 5, 2, 8], v [1, 5, 4, 8], g [1, 5, 4], beta [1, 5, 4]" in message
-
-
-def test_chunk_of_a_spec_without_chunk_form():
-    """Issue 14: gla's module says why it has no chunk(), not a bare AttributeError."""
-    mod = module("gla")
-    with pytest.raises(AttributeError, match=r"^gla.chunk: this spec has no chunk form \(key-channel gates"):
-        mod.chunk
-    with pytest.raises(AttributeError, match="gla.prepare_varlen: this spec has no chunk form"):
-        mod.prepare_varlen
-    assert not hasattr(mod, "chunk")  # what lrdsl check and the CLI test
-    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        mod.nothing

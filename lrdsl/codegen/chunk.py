@@ -22,6 +22,9 @@ from ..ir.chunk import (
     ChunkProgram,
     Cumsum,
     DecayMatrix,
+    DecayedGram,
+    DecayedMatMul,
+    Diagonal,
     Formula,
     LastRow,
     Load,
@@ -123,6 +126,8 @@ def buffer_address(shape) -> tuple[str, str]:
     """Offsets and mask of this chunk's tile in a buffer (layouts in lrdsl.ir.plan)."""
     if shape == ():
         return "i_c * HV + i_hv", ""
+    if shape == ("K",):
+        return "(i_c * HV + i_hv) * K + o_k", "m_k"
     if shape == ("K", "V"):
         return "(i_c * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]", "m_k[:, None] & m_v[None, :]"
     width = {("C", "K"): "K", ("C", "V"): "V", ("C", "C"): "BT", ("C",): ""}[shape]
@@ -176,7 +181,10 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
     if role is InputRole.TOKEN:
         offsets, mask = tile_address(op.shape, "HV", "i_hv", "")
         return [load_line(target, input_pointer(op.source), offsets, mask)]
-    raise CompileError(f"{ctx.prog.recurrence.name}: chunk kernels take no {role.value} inputs yet ({op.source})")
+    if role is InputRole.TOKEN_KEY:  # [B, T, HV, K]: like v, by value head
+        offsets, mask = tile_address(op.shape, "HV", "i_hv", "K")
+        return [load_line(target, input_pointer(op.source), offsets, mask)]
+    return [load_line(target, input_pointer(op.source), "i_hv * K + o_k", "m_k")]  # HEAD_KEY: [HV, K]
 
 
 @CHUNK_EMITTERS.register(StateIn)
@@ -216,18 +224,27 @@ def _broadcast(op: Broadcast, ctx: KernelContext) -> list[str]:
     source, x = ctx.shape(op.x), var(op.x)
     if source == ():
         return [f"{var(op.out)} = tl.zeros({ctx.block(op.shape)}, dtype=ACC) + {x}"]
-    spread = f"{x}[:, None]" if source == ("C",) else f"{x}[None, :]"
+    spread = f"{x}[:, None]" if source == op.shape[:1] else f"{x}[None, :]"
     return [f"{var(op.out)} = tl.broadcast_to({spread}, {ctx.block(op.shape)})"]
 
 
 @CHUNK_EMITTERS.register(Cumsum)
 def _cumsum(op: Cumsum, ctx: KernelContext) -> list[str]:
     if op.exclusive:
-        if op.shape != ("C",):
-            raise CompileError(f"exclusive cumsum of a {op.shape} tile is not emitted yet")
         # sum_{j < i} x_j (or j > i): a masked C x C sum, exact where inclusive-minus-x would cancel
         rows_before = "o_c[None, :] > o_c[:, None]" if op.reverse else "o_c[None, :] < o_c[:, None]"
-        return [f"{var(op.out)} = tl.sum(tl.where({rows_before}, {var(op.x)}[None, :], 0.0), axis=1)"]
+        x = var(op.x)
+        if op.shape == ("C",):
+            return [f"{var(op.out)} = tl.sum(tl.where({rows_before}, {x}[None, :], 0.0), axis=1)"]
+        # per key channel: the rows shifted by one (each row's own value drops out), then an
+        # inclusive sum -- summed directly too
+        neighbour, inside = ("tl.minimum(o_c + 1, BT - 1)", "o_c < BT - 1") if op.reverse else ("tl.maximum(o_c - 1, 0)", "o_c > 0")
+        rows = f"tl.broadcast_to(({neighbour})[:, None], {ctx.block(op.shape)})"
+        reverse = ", reverse=True" if op.reverse else ""
+        return [
+            f"{var(op.out)} = tl.where(({inside})[:, None], tl.gather({x}, {rows}, axis=0), 0.0)",
+            f"{var(op.out)} = tl.cumsum({var(op.out)}, axis=0{reverse})",
+        ]
     reverse = ", reverse=True" if op.reverse else ""
     return [f"{var(op.out)} = tl.cumsum({var(op.x)}, axis=0{reverse})"]
 
@@ -246,6 +263,101 @@ def _lower(inclusive: bool) -> str:
 def _decay(op: DecayMatrix, ctx: KernelContext) -> list[str]:
     x = var(op.x)
     return [f"{var(op.out)} = tl.exp2(tl.where({_lower(op.inclusive)}, {x}[:, None] - {x}[None, :], float('-inf')))"]
+
+
+# -- key-channel gates: per-channel decayed products (helpers in KEY_CHANNEL_HELPERS) ------------
+
+
+@CHUNK_EMITTERS.register(DecayedGram)
+def _decayed_gram(op: DecayedGram, ctx: KernelContext) -> list[str]:
+    args = f"{var(op.a)}, {var(op.b)}, {var(op.x)}, {op.inclusive}"
+    return [f"{var(op.out)} = decayed_gram({args}, BT, DOT_DTYPE, DOT_PRECISION)"]
+
+
+@CHUNK_EMITTERS.register(DecayedMatMul)
+def _decayed_matmul(op: DecayedMatMul, ctx: KernelContext) -> list[str]:
+    args = f"{var(op.m)}, {var(op.b)}, {var(op.x)}, {op.transpose}"
+    return [f"{var(op.out)} = decayed_matmul({args}, BT, DOT_DTYPE, DOT_PRECISION)"]
+
+
+@CHUNK_EMITTERS.register(Diagonal)
+def _diagonal(op: Diagonal, ctx: KernelContext) -> list[str]:
+    return [f"{var(op.out)} = tl.sum(tl.where(o_c[:, None] == o_c[None, :], {var(op.x)}, 0.0), axis=1)"]
+
+
+KEY_CHANNEL_OPS = (DecayedGram, DecayedMatMul)  # the ops that call the helpers below
+# Triton helpers of the per-channel decayed products; written into modules whose chunk programs
+# use them. exp2(x_i - x_j) per key channel spans up to C steps of decay: split as
+# exp2(x_i) * exp2(-x_j) over the whole chunk it overflows (g = -30 per step is -43 in log2 units
+# per row). Instead every pair i > j is split at a row r between them, inside a block of rows that
+# holds both: exp2(x_i - x_r) * exp2(x_r - x_j), each factor at most 1, so nothing overflows and a
+# factor that underflows to 0 belongs to a product that is below fp32's range anyway. Blocks of
+# 2, 4, ..., C rows, split in their middle, cover every pair exactly once: log2(C) tensor-core
+# products per decayed product, plus the diagonal (exp2(0) = 1) where it is included.
+KEY_CHANNEL_HELPERS = '''\
+@triton.jit
+def decay_split(x, S: tl.constexpr, BT: tl.constexpr, R: tl.constexpr):
+    """One level of the per-channel decay split: blocks of 2S rows split at their row r = R
+    (S: the second half's first row; S - 1: the first half's last row; either lies between the
+    rows of every pair the level covers).
+
+    Returns up = exp2(x_i - x_r) on rows i of a block's second half (else 0), down = exp2(x_r - x_j)
+    on rows j of its first half (else 0), and pairs[i, j]: i in the second half and j in the first
+    half of the same block. x does not increase down the rows, so both factors are at most 1."""
+    BK: tl.constexpr = x.shape[1]
+    blocks = tl.reshape(x, (BT // (2 * S), 2 * S, BK))
+    middle = (tl.arange(0, 2 * S) == R)[None, :, None]
+    x_mid = tl.sum(tl.where(middle, blocks, 0.0), axis=1)  # one row per block, exactly
+    x_mid = tl.reshape(tl.broadcast_to(x_mid[:, None, :], (BT // (2 * S), 2 * S, BK)), (BT, BK))
+    o_c = tl.arange(0, BT)
+    second = (o_c // S) % 2 == 1
+    first = (o_c // S) % 2 == 0
+    up = tl.exp2(tl.where(second[:, None], x - x_mid, float("-inf")))
+    down = tl.exp2(tl.where(first[:, None], x_mid - x, float("-inf")))
+    pairs = (o_c[:, None] // (2 * S) == o_c[None, :] // (2 * S)) & second[:, None] & first[None, :]
+    return up, down, pairs
+
+
+@triton.jit
+def decayed_gram(a, b, x, INCLUSIVE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """BT x BT: sum_c a_ic b_jc exp2(x_ic - x_jc) where i > j (i >= j if INCLUSIVE), else 0."""
+    o_c = tl.arange(0, BT)
+    m = tl.zeros((BT, BT), dtype=x.dtype)
+    if INCLUSIVE:  # the diagonal decays by exp2(0) = 1
+        m += tl.where(o_c[:, None] == o_c[None, :], tl.sum(a * b, axis=1)[:, None], 0.0)
+    for level in tl.static_range(7):  # blocks of 2S rows, S = 1, 2, 4, ... < BT
+        if (1 << level) < BT:
+            up, down, pairs = decay_split(x, 1 << level, BT, 1 << level)
+            part = tl.dot((a * up).to(DOT_DTYPE), tl.trans((b * down).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            m += tl.where(pairs, part, 0.0)
+    return m
+
+
+@triton.jit
+def decayed_matmul(m, b, x, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """BT x BK: sum_{j < i} m_ij b_jc exp2(x_ic - x_jc), or with TRANSPOSE
+    sum_{j > i} m_ji b_jc exp2(x_jc - x_ic).
+
+    It splits at the row before decayed_gram's: with the same split, the compiler would share
+    the product's operand tiles with a decayed_gram of the same inputs earlier in the kernel and
+    keep them in shared memory until here (a backward kernel then asked for 320 KB)."""
+    out = tl.zeros((BT, x.shape[1]), dtype=x.dtype)
+    for level in tl.static_range(7):
+        if (1 << level) < BT:
+            up, down, pairs = decay_split(x, 1 << level, BT, (1 << level) - 1)
+            block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
+            if TRANSPOSE:
+                out += down * tl.dot(tl.trans(block), (b * up).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            else:
+                out += up * tl.dot(block, (b * down).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return out
+'''
+
+
+def uses_key_channel_helpers(*programs: ChunkProgram) -> bool:
+    return any(isinstance(op, KEY_CHANNEL_OPS) for prog in programs for op in prog.ops)
 
 
 @CHUNK_EMITTERS.register(Mask)
@@ -406,8 +518,8 @@ def wrap_in_group_loop(ctx: KernelContext, body: list[str]) -> list[str]:
 
 def emit_result_store(role: str, value: str, ctx: KernelContext) -> list[str]:
     shape = ctx.shape(value)
-    if shape == ():
-        offsets, mask = buffer_address(())
+    if shape in ((), ("K",)):  # a per-head input's gradient: one per chunk, summed after the kernel
+        offsets, mask = buffer_address(shape)
     else:
         width = {("C", "K"): "K", ("C", "V"): "V", ("C",): ""}[shape]
         offsets, mask = tile_address(shape, "HV", "i_hv", width)
@@ -603,6 +715,7 @@ BUFFER_SHAPES = {
     ("C", "C"): "(B, T, HV, BT)",
     ("C",): "(B, T, HV)",
     (): "(NC, HV)",
+    ("K",): "(NC, HV, K)",
     ("K", "V"): "(NC, HV, K, V)",
 }
 
@@ -657,7 +770,9 @@ def _launcher(prog: ChunkProgram, plan: Plan) -> str:
     ).rstrip("\n")
 
 
-RESULT_SHAPES = {("C", "K"): "(B, T, HV, K)", ("C", "V"): "(B, T, HV, V)", ("C",): "(B, T, HV)", (): "(NC, HV)"}
+RESULT_SHAPES = {
+    ("C", "K"): "(B, T, HV, K)", ("C", "V"): "(B, T, HV, V)", ("C",): "(B, T, HV)", (): "(NC, HV)", ("K",): "(NC, HV, K)",
+}
 
 
 def _backward_launcher(item: BackwardPlan) -> str:
@@ -677,7 +792,7 @@ def _backward_launcher(item: BackwardPlan) -> str:
                 shape="(B, T, H, K)" if is_key_head_result(role) else RESULT_SHAPES[shape],
                 input=input_pointer(name),
                 index=inputs.index(name),
-                per_chunk=shape == (),
+                per_chunk=shape in ((), ("K",)),
             )
         )
     result_names = ", ".join(result_param(f"grad:{n}") if f"grad:{n}" in produced else "None" for n in inputs)
@@ -707,6 +822,8 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
     save_policies = {
         policy.name: {"kept": dict(policy.kept), "rerun": dict(policy.rerun)} for policy in item.policies
     }
+    if uses_key_channel_helpers(prog, item.backward.graph.program):
+        kernels = {"decayed products": KEY_CHANNEL_HELPERS.rstrip("\n"), **kernels}
     return render(
         "chunk_api.py.jinja",
         plan_names=[p.name for p in plans.plans],

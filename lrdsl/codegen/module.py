@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 
 from .. import __version__
+from ..errors import CompileError
 from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence
 from ..ir.step import StepProgram
@@ -35,13 +36,11 @@ def _draft_g_shape(step: StepProgram) -> tuple[str, str]:
     return ("[B, T, HV, K]", "(B, T, HV, K)") if decay.per_key else ("[B, T, HV]", "(B, T, HV)")
 
 
-def emit_recurrent_section(step: StepProgram, no_chunk_reason: str | None) -> str:
+def emit_recurrent_section(step: StepProgram) -> str:
     rec = step.recurrence
     g_shape, g_tuple = _draft_g_shape(step)
     return render(
         "recurrent_api.py.jinja",
-        has_chunk=no_chunk_reason is None,
-        no_chunk_reason=no_chunk_reason or "",
         kernel=emit_recurrent_kernel(step).rstrip("\n"),
         kernel_name=kernel_name(step),
         commit_kernel=emit_commit_kernel(step).rstrip("\n"),
@@ -67,24 +66,22 @@ OPS_KEY_PLACEHOLDER = "@@LRDSL_OPS_KEY@@"
 
 def emit_module(stages: dict, spec_path: str) -> str:
     rec: Recurrence = stages["recurrence"]
-    signatures = [f"recurrent({signature(_positional(rec), RECURRENT_OPTIONS)}) -> (o, final_state | None)"]
-    if not isinstance(stages["save"], NoChunkForm):
-        signatures[0] += "   [differentiable]"
     plans = stages["save"]
-    has_chunk = not isinstance(plans, NoChunkForm)
-    signatures.append(f"verify({signature(_positional(rec), VERIFY_OPTIONS)}) -> (o, Draft)")
-    signatures.append("commit(draft, num_accepted, validate=True)")
-    sections = [emit_recurrent_section(stages["step"], None if has_chunk else plans.reason)]
-    if not has_chunk:
-        signatures.append(f"chunk: not generated ({plans.reason}); mod.chunk raises an AttributeError that says so")
-    else:
-        signatures.append(f"chunk({signature(_positional(rec), CHUNK_OPTIONS)}) -> (o, final_state | None)   [differentiable]")
-        signatures.append("prepare_varlen(cu_seqlens, chunk_size=64) -> VarlenChunks, for chunk(..., chunk_indices=)")
-        sections.append(emit_chunk_section(plans, _positional(rec)))
+    if isinstance(plans, NoChunkForm):
+        # every module has a differentiable chunk(): a recurrence the passes cannot chunk is
+        # refused here, in one line naming what is missing, never emitted half
+        raise CompileError(f"{spec_path}: cannot compile {plans.describe()}")
+    signatures = [
+        f"recurrent({signature(_positional(rec), RECURRENT_OPTIONS)}) -> (o, final_state | None)   [differentiable]",
+        f"verify({signature(_positional(rec), VERIFY_OPTIONS)}) -> (o, Draft)",
+        "commit(draft, num_accepted, validate=True)",
+        f"chunk({signature(_positional(rec), CHUNK_OPTIONS)}) -> (o, final_state | None)   [differentiable]",
+        "prepare_varlen(cu_seqlens, chunk_size=64) -> VarlenChunks, for chunk(..., chunk_indices=)",
+    ]
+    sections = [emit_recurrent_section(stages["step"]), emit_chunk_section(plans, _positional(rec))]
     sections.append(render(
         "custom_ops.py.jinja",
         namespace=f"lrdsl_{rec.name}_{OPS_KEY_PLACEHOLDER}",
-        has_chunk=has_chunk,
         has_gate=decay_op(stages["step"]) is not None,
         kernel_name=kernel_name(stages["step"]),
     ))

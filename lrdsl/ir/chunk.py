@@ -104,8 +104,9 @@ class MaskRows(ChunkOp):
 
 @dataclass(frozen=True)
 class Broadcast(ChunkOp):
-    """x repeated to this op's shape: a C-vector along columns (x_i in every column of row i),
-    a K-vector along rows, a scalar everywhere."""
+    """x repeated to this op's shape: a scalar everywhere; a vector along the axis it shares with
+    the tile, the first axis first: a C-vector over C x _ (x_i in every column of row i), a
+    K-vector over C x K (x in every row) and over K x V (x_k in every column of row k)."""
 
     x: str
 
@@ -161,6 +162,72 @@ class DecayMatrix(ChunkOp):
     def describe(self):
         where = "i >= j" if self.inclusive else "i > j"
         return f"exp2({self.x}_i - {self.x}_j) where {where}, else 0"
+
+
+@dataclass(frozen=True)
+class DecayedGram(ChunkOp):
+    """C x C, the key-channel gate's decayed product of two C x K tiles:
+        M_ij = sum_c a_ic b_jc exp2(x_ic - x_jc)   where i > j (i >= j if inclusive), else 0.
+    x is a per-channel cumulative log2-decay (non-increasing down the rows), so every factor
+    exp2(x_ic - x_jc) with i >= j is at most 1. It is never split as exp2(x_i) * exp2(-x_j) over
+    the whole chunk (that overflows at strong decay): kernels split each pair at a row between
+    them, so both factors stay at most 1 (see the emitter)."""
+
+    a: str
+    b: str
+    x: str
+    inclusive: bool
+
+    def args(self):
+        return (self.a, self.b, self.x)
+
+    def describe(self):
+        where = "i >= j" if self.inclusive else "i > j"
+        return f"sum_c {self.a}_ic {self.b}_jc exp2({self.x}_ic - {self.x}_jc) where {where}, else 0"
+
+    @property
+    def expensive(self):
+        return True
+
+
+@dataclass(frozen=True)
+class DecayedMatMul(ChunkOp):
+    """C x K, the strict lower triangle of a C x C matrix m (i > j) applied to a C x K tile b
+    under the same per-channel decay as DecayedGram:
+        out_ic = sum_{j < i} m_ij b_jc exp2(x_ic - x_jc)            (transpose = False)
+        out_ic = sum_{j > i} m_ji b_jc exp2(x_jc - x_ic)            (transpose = True)
+    The adjoints of DecayedGram: dM -> da (not transposed) and db (transposed). It appears in
+    backward programs only, so it has no adjoint rule of its own."""
+
+    m: str
+    b: str
+    x: str
+    transpose: bool = False
+
+    def args(self):
+        return (self.m, self.b, self.x)
+
+    def describe(self):
+        if self.transpose:
+            return f"sum_{{j > i}} {self.m}_ji {self.b}_jc exp2({self.x}_jc - {self.x}_ic)"
+        return f"sum_{{j < i}} {self.m}_ij {self.b}_jc exp2({self.x}_ic - {self.x}_jc)"
+
+    @property
+    def expensive(self):
+        return True
+
+
+@dataclass(frozen=True)
+class Diagonal(ChunkOp):
+    """C: the diagonal of a C x C matrix. Appears in backward programs only (no adjoint rule)."""
+
+    x: str
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"diagonal({self.x})"
 
 
 @dataclass(frozen=True)

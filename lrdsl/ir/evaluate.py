@@ -8,7 +8,8 @@ Two backends, one rule per op type each:
 
 Values are tiles shaped exactly as the IR says: (C,) vectors, (C, K) matrices, () scalars.
 Rows past the sequence end (`valid_rows`) are zero in the loaded inputs, as in the kernels.
-Broadcast spreads a C-vector along columns (row i holds x_i), a K- or V-vector along rows.
+Broadcast spreads a vector along the axis it shares with the tile, the first axis first: a
+C-vector along columns (row i holds x_i), a K-vector over C x K along rows, over K x V along columns.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from .chunk import (
     ChunkProgram,
     Cumsum,
     DecayMatrix,
+    DecayedGram,
+    DecayedMatMul,
+    Diagonal,
     Formula,
     LastRow,
     Load,
@@ -66,7 +70,7 @@ def _t_broadcast(op: Broadcast, env, ctx):
     x, source = env[op.x], ctx.shapes[op.x]
     if source == ():
         return x.expand(ctx.dims(op.shape))
-    if source == ("C",):
+    if source == op.shape[:1]:
         return x[:, None].expand(ctx.dims(op.shape))
     return x[None, :].expand(ctx.dims(op.shape))
 
@@ -85,6 +89,24 @@ def _t_decay(op: DecayMatrix, env, ctx):
     x = env[op.x]
     exponent = torch.where(_lower(x.shape[0], op.inclusive), x[:, None] - x[None, :], -math.inf)
     return torch.exp2(exponent)
+
+
+def _t_channel_decay(x: torch.Tensor, inclusive: bool) -> torch.Tensor:
+    """C x C x K: exp2(x_ic - x_jc) where i > j (i >= j), else 0 -- exactly, pair by pair."""
+    inside = _lower(x.shape[0], inclusive)[:, :, None]
+    return torch.exp2(torch.where(inside, x[:, None, :] - x[None, :, :], -math.inf))
+
+
+def _t_decayed_gram(op: DecayedGram, env, ctx):
+    decay = _t_channel_decay(env[op.x], op.inclusive)
+    return torch.einsum("ic,jc,ijc->ij", env[op.a], env[op.b], decay)
+
+
+def _t_decayed_matmul(op: DecayedMatMul, env, ctx):
+    decay = _t_channel_decay(env[op.x], inclusive=False)
+    if op.transpose:  # out_ic = sum_j m_ji b_jc decay_jic
+        return torch.einsum("ji,jc,jic->ic", env[op.m], env[op.b], decay)
+    return torch.einsum("ij,jc,ijc->ic", env[op.m], env[op.b], decay)
 
 
 def _t_cumsum(op: Cumsum, env, ctx):
@@ -127,6 +149,9 @@ TORCH_RULES = {
     Cumsum: _t_cumsum,
     LastRow: lambda op, env, ctx: env[op.x][-1],
     DecayMatrix: _t_decay,
+    DecayedGram: _t_decayed_gram,
+    DecayedMatMul: _t_decayed_matmul,
+    Diagonal: lambda op, env, ctx: torch.diagonal(env[op.x]),
     Mask: lambda op, env, ctx: torch.where(_lower(env[op.x].shape[0], op.inclusive), env[op.x], 0.0),
     MatMul: _t_matmul,
     UnitLowerInverse: lambda op, env, ctx: torch.linalg.inv(torch.eye(env[op.a].shape[0], dtype=torch.float64) + env[op.a]),
@@ -179,9 +204,13 @@ def _s_broadcast(op: Broadcast, env, ctx):
     dims = _s_dims(ctx, op.shape)
     if source == ():
         return sympy.Matrix(dims[0], dims[1], lambda i, j: x)
-    if source == ("C",):
-        return sympy.Matrix(dims[0], dims[1], lambda i, j: x[i, 0])
-    return sympy.Matrix(dims[0], dims[1], lambda i, j: x[0, j])
+
+    def element(n):  # C-vectors are C x 1 matrices, K- and V-vectors 1 x N
+        return x[n, 0] if source == ("C",) else x[0, n]
+
+    if source == op.shape[:1]:
+        return sympy.Matrix(dims[0], dims[1], lambda i, j: element(i))
+    return sympy.Matrix(dims[0], dims[1], lambda i, j: element(j))
 
 
 def _s_mask_rows(op: MaskRows, env, ctx):
@@ -216,6 +245,38 @@ def _s_decay(op: DecayMatrix, env, ctx):
     return sympy.Matrix(x.rows, x.rows, entry)
 
 
+def _s_pair_decay(x, i, j, c):
+    """exp2(x_ic - x_jc), the per-channel decay of one pair of rows."""
+    return 2 ** (x[i, c] - x[j, c])
+
+
+def _s_inside(i, j, inclusive):
+    return i >= j if inclusive else i > j
+
+
+def _s_decayed_gram(op: DecayedGram, env, ctx):
+    a, b, x = env[op.a], env[op.b], env[op.x]
+
+    def entry(i, j):
+        if not _s_inside(i, j, op.inclusive):
+            return 0
+        return sum(a[i, c] * b[j, c] * _s_pair_decay(x, i, j, c) for c in range(x.cols))
+
+    return sympy.Matrix(x.rows, x.rows, entry)
+
+
+def _s_decayed_matmul(op: DecayedMatMul, env, ctx):
+    m, b, x = env[op.m], env[op.b], env[op.x]
+    rows = range(x.rows)
+
+    def entry(i, c):
+        if op.transpose:
+            return sum(m[j, i] * b[j, c] * _s_pair_decay(x, j, i, c) for j in rows if j > i)
+        return sum(m[i, j] * b[j, c] * _s_pair_decay(x, i, j, c) for j in rows if i > j)
+
+    return sympy.Matrix(x.rows, x.cols, entry)
+
+
 def _s_mask(op: Mask, env, ctx):
     x = env[op.x]
     return sympy.Matrix(x.rows, x.cols, lambda i, j: x[i, j] if (i >= j if op.inclusive else i > j) else 0)
@@ -244,6 +305,8 @@ def _s_reduce_sum(op: ReduceSum, env, ctx):
         return sympy.Matrix(x.cols, 1, lambda i, j: sum(x[r, i] for r in range(x.rows)))
     if op.shape == ("C",):  # C x N summed over its columns
         return sympy.Matrix(x.rows, 1, lambda i, j: sum(x[i, c] for c in range(x.cols)))
+    if op.axes == (1,):  # K x V summed over its columns, as a 1 x K row
+        return sympy.Matrix(1, x.rows, lambda i, j: sum(x[j, c] for c in range(x.cols)))
     return sympy.Matrix(1, x.cols, lambda i, j: sum(x[r, j] for r in range(x.rows)))  # over rows
 
 
@@ -265,6 +328,9 @@ SYMPY_RULES = {
     Cumsum: _s_cumsum,
     LastRow: _s_last_row,
     DecayMatrix: _s_decay,
+    DecayedGram: _s_decayed_gram,
+    DecayedMatMul: _s_decayed_matmul,
+    Diagonal: lambda op, env, ctx: sympy.Matrix(env[op.x].rows, 1, lambda i, j: env[op.x][i, i]),
     Mask: _s_mask,
     MatMul: _s_matmul,
     UnitLowerInverse: lambda op, env, ctx: (sympy.eye(env[op.a].rows) + env[op.a]).inv(),

@@ -79,6 +79,7 @@ BUFFER_LAYOUTS: dict[Shape, str] = {
     ("C", "C"): "[B, T, HV, C]",
     ("C",): "[B, T, HV]",
     (): "[NC, HV]",
+    ("K",): "[NC, HV, K]",
     ("K", "V"): "[NC, HV, K, V]",
 }
 

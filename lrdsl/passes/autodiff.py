@@ -15,6 +15,8 @@ needs are dropped.
 
 Adjoint rules: elementwise formulas by sympy.diff; a broadcast sums back; cumsum -> reverse cumsum;
 last row -> placed on the last row; exp2(G_i - G_j) -> ln2 * (row sums - column sums) of dD * D;
+the per-channel decayed product M = sum_c a_ic b_jc exp2(x_ic - x_jc) -> da, db by the same decayed
+product applied to dM (and its transpose), dx = ln2 (a * da - b * db);
 masks mask; matmuls transpose; X = (I + A)^-1 -> dA = StrictLower(-X^T dX X^T); the L2 norm ->
 its Jacobian-vector product.
 """
@@ -31,6 +33,9 @@ from ..ir.chunk import (
     ChunkProgram,
     Cumsum,
     DecayMatrix,
+    DecayedGram,
+    DecayedMatMul,
+    Diagonal,
     Formula,
     LastRow,
     Load,
@@ -89,7 +94,7 @@ def reduce_to(sweep: Sweep, value: str, shape, name: str) -> str:
         return value
     if shape == ():
         axes = tuple(range(len(source)))
-    elif shape == ("C",):
+    elif shape == source[:1]:  # spread along the columns (a C-vector, a K-vector over K x V)
         axes = tuple(range(1, len(source)))
     else:  # a K- or V-vector spread along the rows
         axes = (0,)
@@ -146,6 +151,29 @@ def _decay(op: DecayMatrix, dy: str, sweep: Sweep):
     rows = b.add(ReduceSum(b.fresh(f"{weighted}_rowsum"), ("C",), str(weighted), (1,)))
     cols = b.add(ReduceSum(b.fresh(f"{weighted}_colsum"), ("C",), str(weighted), (0,)))
     yield op.x, str(b.formula(sweep.name(op.x, op), rows - cols, ("C",)))
+
+
+@adjoint(DecayedGram)
+def _decayed_gram(op: DecayedGram, dy: str, sweep: Sweep):
+    # M_ij = sum_c a_ic b_jc E_ijc, E_ijc = exp2(x_ic - x_jc), over i > j:
+    #   da_ic = sum_j dM_ij b_jc E_ijc,  db_jc = sum_i dM_ij a_ic E_ijc   (the same decays)
+    #   dx_ic = ln2 (a_ic da_ic - b_ic db_ic): x_i gains as row, loses as column.
+    # An inclusive M's diagonal (E = 1) adds dM_ii b_i to da_i and dM_ii a_i to db_i but nothing
+    # to dx: it is kept out of dx rather than summed in twice to cancel (at strong decay dx is
+    # tiny and the cancellation's rounding would swamp it).
+    b = sweep.b
+    da = b.add(DecayedMatMul(b.fresh(f"{sweep.name(op.a, op)}_below"), ("C", "K"), dy, op.b, op.x))
+    db = b.add(DecayedMatMul(b.fresh(f"{sweep.name(op.b, op)}_above"), ("C", "K"), dy, op.a, op.x, transpose=True))
+    a_, b_ = sympy.Symbol(op.a), sympy.Symbol(op.b)
+    dx = b.formula(sweep.name(op.x, op), LN2 * (a_ * da - b_ * db), ("C", "K"))
+    if op.inclusive:
+        diagonal = b.add(Diagonal(b.fresh(f"{dy}_diagonal"), ("C",), dy))
+        diagonal = b.rows(f"{diagonal}_rows", diagonal, ("C", "K"))
+        da = b.formula(sweep.name(op.a, op), da + diagonal * b_, ("C", "K"))
+        db = b.formula(sweep.name(op.b, op), db + diagonal * a_, ("C", "K"))
+    yield op.a, str(da)
+    yield op.b, str(db)
+    yield op.x, str(dx)
 
 
 @adjoint(Mask)

@@ -13,6 +13,11 @@ Per chunk (rows r = 1..C, entry state H), with G the cumulative decay in log2 un
     W  = T (K * beta * gamma)     U = T (V * beta)     Vn = U - W H
     O  = scale (gamma * (Q H) + (Q K^T * exp2(G_i - G_j) * LowerIncl) Vn)
     H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn
+
+A key-channel gate makes G a C x K tile (one cumulative decay per key channel) and every decay
+per channel: K K^T * exp2(G_i - G_j) becomes the DecayedGram sum_c k_ic k_jc exp2(G_ic - G_jc)
+(never factored over the whole chunk: that overflows at strong decay), gamma multiplies K and Q
+entry by entry, and the exit state decays row by row: H' = Diag(exp2(G_C)) H + (K * exp2(G_C - G))^T Vn.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from ..ir.chunk import (
     ChunkProgram,
     Cumsum,
     DecayMatrix,
+    DecayedGram,
     Formula,
     LastRow,
     Load,
@@ -80,6 +86,16 @@ class Builder:
     def matmul(self, name, a, b, shape, transpose_a=False, transpose_b=False) -> sympy.Symbol:
         return self.add(MatMul(self.fresh(name), shape, str(a), str(b), transpose_a, transpose_b))
 
+    def formula_of_inputs(self, name: str, expr: sympy.Expr, shape: Shape) -> sympy.Symbol:
+        """`expr` over values of mixed shapes (a key-channel gate may read per-token, per-head
+        and per-key-channel inputs): every non-scalar value of another shape is broadcast first."""
+        spread = {}
+        for symbol in sorted(expr.free_symbols, key=str):
+            source = self.shapes[str(symbol)]
+            if source not in ((), shape):
+                spread[symbol] = self.add(Broadcast(self.fresh(f"{symbol}_tile"), shape, str(symbol)))
+        return self.formula(name, expr.subs(spread, simultaneous=True), shape)
+
     def scale_rows(self, name: str, x: sympy.Symbol, factor, shape: Shape) -> sympy.Symbol:
         """x * factor_r row by row; `factor` None means 1 (nothing emitted)."""
         if factor is None:
@@ -89,11 +105,9 @@ class Builder:
 
 
 def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
-    if rec.gate is GateKind.KEY_CHANNEL:
-        # exp2(G_i - G_j) per key channel needs a C x C x K tile or a factorisation with a
-        # reference row per sub-chunk; neither is derived yet
-        return NoChunkForm(rec, "key-channel gates are not chunked yet")
     b = Builder()
+    per_channel = rec.gate is GateKind.KEY_CHANNEL
+    gate_shape: Shape = ("C", "K") if per_channel else ("C",)
     # -- inputs of the chunk: declared inputs first, so their names are kept as written
     for inp in rec.inputs:
         b.load(inp.name, INPUT_SHAPES[inp.role])
@@ -109,13 +123,13 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     gamma = G = G_last = None
     if rec.has_gate:
         per_row = rec.is_per_token(rec.log_decay)
-        g = b.formula("g_t", rec.log_decay, ("C",) if per_row else ())
+        g = b.formula_of_inputs("g_t", rec.log_decay, gate_shape if per_row else ())
         if not per_row:  # a constant gate: the same decay on every row
             g = b.add(Broadcast(b.fresh("g_rows"), ("C",), str(g)))
-        g = b.add(MaskRows(b.fresh("g_masked"), ("C",), str(g)))  # rows past the end decay nothing
-        G = b.formula("G", b.add(Cumsum(b.fresh("g_cumsum"), ("C",), str(g))) * LOG2E, ("C",))
-        G_last = b.add(LastRow(b.fresh("G_last"), (), str(G)))
-        gamma = b.formula("gamma", 2**G, ("C",))
+        g = b.add(MaskRows(b.fresh("g_masked"), gate_shape, str(g)))  # rows past the end decay nothing
+        G = b.formula("G", b.add(Cumsum(b.fresh("g_cumsum"), gate_shape, str(g))) * LOG2E, gate_shape)
+        G_last = b.add(LastRow(b.fresh("G_last"), gate_shape[1:], str(G)))
+        gamma = b.formula("gamma", 2**G, gate_shape)
 
     beta = None
     if rec.has_beta:
@@ -127,20 +141,26 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     # -- the intra-chunk system and the residual Vn (what the state update writes)
     H = b.add(StateIn(b.fresh("H"), ("K", "V")))
     if rec.is_delta:
-        KK = b.matmul("KKt", k, k, ("C", "C"), transpose_b=True)
-        if G is not None:
+        if per_channel:
+            KK = b.add(DecayedGram(b.fresh("KKt_decayed"), ("C", "C"), str(k), str(k), str(G), inclusive=False))
+        elif G is not None:
+            KK = b.matmul("KKt", k, k, ("C", "C"), transpose_b=True)
             decay = b.add(DecayMatrix(b.fresh("D"), ("C", "C"), str(G), inclusive=False))
             KK = b.formula("KKt_decayed", KK * decay, ("C", "C"))
         else:
+            KK = b.matmul("KKt", k, k, ("C", "C"), transpose_b=True)
             KK = b.add(Mask(b.fresh("KKt_strict"), ("C", "C"), str(KK), inclusive=False))
         A = b.scale_rows("A", KK, beta, ("C", "C"))
         T = b.add(UnitLowerInverse(b.fresh("T"), ("C", "C"), str(A)))
-        weight = None
-        if beta is not None and gamma is not None:
-            weight = b.formula("beta_gamma", beta * gamma, ("C",))
+        if per_channel:  # the decay from the chunk start, channel by channel, then beta by rows
+            k_weighted = b.scale_rows("k_weighted", b.formula("k_gamma", k * gamma, ("C", "K")), beta, ("C", "K"))
         else:
-            weight = beta if beta is not None else gamma
-        W = b.matmul("W", T, b.scale_rows("k_weighted", k, weight, ("C", "K")), ("C", "K"))
+            if beta is not None and gamma is not None:
+                weight = b.formula("beta_gamma", beta * gamma, ("C",))
+            else:
+                weight = beta if beta is not None else gamma
+            k_weighted = b.scale_rows("k_weighted", k, weight, ("C", "K"))
+        W = b.matmul("W", T, k_weighted, ("C", "K"))
         U = b.matmul("U", T, b.scale_rows("v_beta", v, beta, ("C", "V")), ("C", "V"))
         Vn = b.formula("Vn", U - b.matmul("WH", W, H, ("C", "V")), ("C", "V"))
     else:
@@ -149,22 +169,34 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     # -- exit state: H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn, where G_C - G is summed as the
     #    exclusive suffix sum of g directly (exactly 0 on the last row, whatever G's magnitude)
     if G is not None:
-        to_end = b.add(Cumsum(b.fresh("g_to_end"), ("C",), str(g), reverse=True, exclusive=True))
-        decay_to_end = b.formula("decay_to_end", 2 ** (to_end * LOG2E), ("C",))
-        k_to_end = b.scale_rows("k_decayed", k, decay_to_end, ("C", "K"))
+        to_end = b.add(Cumsum(b.fresh("g_to_end"), gate_shape, str(g), reverse=True, exclusive=True))
+        decay_to_end = b.formula("decay_to_end", 2 ** (to_end * LOG2E), gate_shape)
+        if per_channel:
+            k_to_end = b.formula("k_decayed", k * decay_to_end, ("C", "K"))
+        else:
+            k_to_end = b.scale_rows("k_decayed", k, decay_to_end, ("C", "K"))
         written = b.matmul("KtVn", k_to_end, Vn, ("K", "V"), transpose_a=True)
-        H_next = b.formula("H_next", 2**G_last * H + written, ("K", "V"))
+        if per_channel:  # Diag(exp2(G_C)) H: state row c decays by its channel's total
+            decay_last = b.formula("decay_last", 2**G_last, ("K",))
+            decay_last = b.add(Broadcast(b.fresh("decay_last_rows"), ("K", "V"), str(decay_last)))
+            H_next = b.formula("H_next", decay_last * H + written, ("K", "V"))
+        else:
+            H_next = b.formula("H_next", 2**G_last * H + written, ("K", "V"))
     else:
         written = b.matmul("KtVn", k, Vn, ("K", "V"), transpose_a=True)
         H_next = b.formula("H_next", H + written, ("K", "V"))
 
     # -- output: O = scale (gamma * (Q H) + (Q K^T * exp2(G_i - G_j) * LowerIncl) Vn)
-    QK = b.matmul("QKt", q, k, ("C", "C"), transpose_b=True)
-    if G is not None:
-        QK = b.formula("QKt_decayed", QK * b.add(DecayMatrix(b.fresh("D_incl"), ("C", "C"), str(G), inclusive=True)), ("C", "C"))
+    if per_channel:
+        QK = b.add(DecayedGram(b.fresh("QKt_decayed"), ("C", "C"), str(q), str(k), str(G), inclusive=True))
+        q_from_entry = b.formula("q_decayed", q * gamma, ("C", "K"))
     else:
-        QK = b.add(Mask(b.fresh("QKt_causal"), ("C", "C"), str(QK), inclusive=True))
-    q_from_entry = b.scale_rows("q_decayed", q, gamma, ("C", "K"))
+        QK = b.matmul("QKt", q, k, ("C", "C"), transpose_b=True)
+        if G is not None:
+            QK = b.formula("QKt_decayed", QK * b.add(DecayMatrix(b.fresh("D_incl"), ("C", "C"), str(G), inclusive=True)), ("C", "C"))
+        else:
+            QK = b.add(Mask(b.fresh("QKt_causal"), ("C", "C"), str(QK), inclusive=True))
+        q_from_entry = b.scale_rows("q_decayed", q, gamma, ("C", "K"))
     inter = b.matmul("QH", q_from_entry, H, ("C", "V"))
     intra = b.matmul("QKtVn", QK, Vn, ("C", "V"))
     O = b.formula("O", scale * (inter + intra), ("C", "V"))

@@ -25,6 +25,8 @@ from __future__ import annotations
 from ..ir.chunk import Broadcast, ChunkProgram, Formula, Load, NoChunkForm, UnitLowerInverse
 from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
 
+FP32_BUFFER_SHAPES = (("C", "C"), ("C",), (), ("K",))
+
 PLAN_SUMMARIES = {
     "fused": "all prepare work in one kernel",
     "split": "prepare work split at each triangular solve: build the system, solve it, apply it",
@@ -83,8 +85,10 @@ class _Planner:
         stored = [v for k in kernels for v in k.stores]
         missing = [v for k in kernels for v in k.loads if v not in stored]
         assert not missing, f"plan {name}: kernels read {missing} that no kernel stores"
+        # the triangular system, per-row and per-chunk values (decays, betas) stay fp32; tiles of
+        # the inputs' width (and states) take the inputs' dtype
         buffers = tuple(
-            Buffer(v, self.prog.shape(v), "fp32" if self.prog.shape(v) in (("C", "C"), ("C",), ()) else "io")
+            Buffer(v, self.prog.shape(v), "fp32" if self.prog.shape(v) in FP32_BUFFER_SHAPES else "io")
             for v in sorted(stored, key=self.order.get)
         )
         return Plan(name, PLAN_SUMMARIES[name], tuple(kernels), buffers)

@@ -10,6 +10,9 @@ from ..ir.chunk import (
     ChunkProgram,
     Cumsum,
     DecayMatrix,
+    DecayedGram,
+    DecayedMatMul,
+    Diagonal,
     Formula as ChunkFormula,
     LastRow,
     Load,
@@ -123,8 +126,12 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
         return shapes[op.x]
     if isinstance(op, LastRow):
         return shapes[op.x][1:]
-    if isinstance(op, DecayMatrix):
+    if isinstance(op, (DecayMatrix, DecayedGram)):
         return ("C", "C")
+    if isinstance(op, DecayedMatMul):
+        return ("C", "K")
+    if isinstance(op, Diagonal):
+        return ("C",)
     if isinstance(op, MatMul):
         return _matmul_shape(op, shapes)
     if isinstance(op, UnitLowerInverse):
@@ -160,13 +167,19 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
         if isinstance(op, Broadcast):
             source = shapes[op.x]
             _require(
-                source == () or (source == ("C",) and op.shape[:1] == ("C",)) or (len(source) == 1 and op.shape[1:] == source),
+                source == () or (len(source) == 1 and source in (op.shape[:1], op.shape[1:])),
                 f"{where}: cannot broadcast {source} to {op.shape}",
             )
         if isinstance(op, (DecayMatrix, Cumsum)):
             _require(shapes[op.x][:1] == ("C",), f"{where}: needs a per-row value, got {shapes[op.x]}")
-        if isinstance(op, (Mask, UnitLowerInverse)):
-            arg = op.x if isinstance(op, Mask) else op.a
+        if isinstance(op, DecayedGram):
+            operands = [shapes[a] for a in op.args()]
+            _require(operands == [("C", "K")] * 3, f"{where}: needs three C x K tiles, got {operands}")
+        if isinstance(op, DecayedMatMul):
+            operands = [shapes[a] for a in op.args()]
+            _require(operands == [("C", "C"), ("C", "K"), ("C", "K")], f"{where}: needs C x C, C x K, C x K, got {operands}")
+        if isinstance(op, (Mask, UnitLowerInverse, Diagonal)):
+            arg = op.a if isinstance(op, UnitLowerInverse) else op.x
             _require(shapes[arg] == ("C", "C"), f"{where}: needs a C x C matrix")
         shapes[op.out] = op.shape
     kinds = [type(op) for op in prog.ops]
@@ -177,7 +190,10 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
         _require(set(roles) == {"o", "state"}, f"{rec.name}: outputs must be o and state, got {sorted(roles)}")
         _require(shapes.get(roles.get("o")) == ("C", "V"), f"{rec.name}: the output o must be C x V")
         _require((UnitLowerInverse in kinds) == rec.is_delta, f"{rec.name}: a triangular system belongs to the delta rule only")
-        _require((DecayMatrix in kinds) == rec.has_gate, f"{rec.name}: decay matrices belong to gated recurrences only")
+        per_channel = rec.gate is GateKind.KEY_CHANNEL
+        _require((DecayMatrix in kinds) == (rec.has_gate and not per_channel),
+                 f"{rec.name}: decay matrices belong to scalar and constant gates only")
+        _require((DecayedGram in kinds) == per_channel, f"{rec.name}: per-channel decayed products belong to key-channel gates only")
         return
     _require(prog.direction == "backward", f"{rec.name}: unknown direction {prog.direction!r}")
     loads = {op.source: op.shape for op in prog.ops if isinstance(op, Load)}
