@@ -124,8 +124,13 @@ def test_gpu_extremes_bf16(name, extreme, generator):
     # every token whose bf16 rounding partly cancels (tests/test_gpu.py asserts them with
     # precision="tf32"); and, when every step forgets (g = -30), the gradients of the gate's inputs,
     # whose true values are e^-30 times those of the others: no bf16 computation resolves them.
+    # The same holds at g = half -30 when the gate is a formula of its input: the other half (g = 0)
+    # is then reached deep in the formula's flat tail (Qwen3.5's g = -softplus(a) = 0 at a = -60,
+    # where dg/da = sigmoid(-60) = e^-60), so no token's gate-input gradient is resolvable either
+    # (measured: da's reference norm is e^-30 times dq's, the kernel's bf16 noise 1e5 times it).
     skip = {i.name for i in rec.head_inputs}
-    if extreme == "g=-30":
+    saturated = extreme == "g=half-30" and not isinstance(rec.log_decay, sympy.Symbol)
+    if extreme == "g=-30" or saturated:
         skip |= {i.name for i in rec.formula_inputs(rec.log_decay)}
     for plan in mod.CHUNK_PLANS:
         leaves = [t.cuda().requires_grad_() for t in (*tensors, h0)]
