@@ -127,7 +127,7 @@ def test_gpu_extremes_bf16(name, extreme, generator):
     # The same holds at g = half -30 when the gate is a formula of its input: the other half (g = 0)
     # is then reached deep in the formula's flat tail (Qwen3.5's g = -softplus(a) = 0 at a = -60,
     # where dg/da = sigmoid(-60) = e^-60), so no token's gate-input gradient is resolvable either
-    # (measured: da's reference norm is e^-30 times dq's, the kernel's bf16 noise 1e5 times it).
+    # (H200, gdn_qwen35: da's relative error 1.3e5, every other gradient within the limit).
     skip = {i.name for i in rec.head_inputs}
     saturated = extreme == "g=half-30" and not isinstance(rec.log_decay, sympy.Symbol)
     if extreme == "g=-30" or saturated:
