@@ -105,10 +105,11 @@ def test_two_gpus_layer_on_the_second_while_the_first_is_current(generator):
     """The Qwen3.5 layer (short convolution, gated RMSNorm, gdn_qwen35's kernels) on cuda:1 in
     fp32 while cuda:0 is current: prefill output and every gradient, then prefill + one-token
     steps through the cache (the convolution's update kernel, the recurrent kernel), vs the
-    float64 oracle of the layer."""
-    from transformers import DynamicCache
+    float64 oracle of the layer. The cache is lrdsl's own: the device guard is the point here, and
+    the GPU machine's transformers need not have Qwen3.5's cache methods (one did not)."""
+    from lrdsl.layers.gated_deltanet import GatedDeltaNetCache
 
-    from test_layer import double_copy, grads, layer_pair, oracle, tiny_config
+    from test_layer import double_copy, grads, layer_pair, oracle
 
     ours, _ = layer_pair(generator, "cuda:1")
     x = torch.randn(2, 13, 32, generator=generator)
@@ -121,7 +122,7 @@ def test_two_gpus_layer_on_the_second_while_the_first_is_current(generator):
         x_ours = x.to("cuda:1").requires_grad_(True)
         out = ours(x_ours)
         got = grads(ours, x_ours, out, seed)
-        cache = DynamicCache(config=tiny_config())
+        cache = GatedDeltaNetCache()
         with torch.no_grad():
             stepped = torch.cat([ours(x_ours[:, :10].detach(), cache=cache)]
                                 + [ours(x_ours[:, t : t + 1].detach(), cache=cache) for t in range(10, 13)], dim=1)
