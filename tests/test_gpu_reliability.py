@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lrdsl import reference
 from lrdsl.layers.kernels import layer_kernels
