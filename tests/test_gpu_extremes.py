@@ -127,7 +127,7 @@ def test_gpu_extremes_bf16(name, extreme, generator):
 
     if not hasattr(mod, "chunk"):
         return  # key-channel gates: no chunk form, no gradients yet
-    d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator)
+    d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).bfloat16()  # as the kernels take it
     d_ht = torch.randn_like(h0)
     refs = [t.double().cuda().requires_grad_() for t in (*tensors, h0)]
     ref_o, ref_ht = reference.run(rec, *refs[:-1], initial_state=refs[-1], cu_seqlens=cu, **kwargs)
