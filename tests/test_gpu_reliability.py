@@ -82,7 +82,7 @@ def test_two_gpus_tensors_on_the_second_while_the_first_is_current(name, generat
     shape = Shape(2, 150, 2, 4, 128, 128)
     tensors = sample(rec, shape, torch.bfloat16, generator)
     h0 = torch.randn(shape.B, shape.HV, shape.K, shape.V, generator=generator)
-    d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator)
+    d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).bfloat16()  # as the kernels take it
     d_ht = torch.randn_like(h0)
     chunked = hasattr(mod, "chunk")
     expected = _oracle(rec, tensors, h0, d_o if chunked else None, d_ht, use_qk_l2norm_in_kernel=True)
@@ -136,14 +136,15 @@ def test_two_gpus_layer_on_the_second_while_the_first_is_current(generator):
 def test_two_gpus_mixed_devices_are_one_clear_error(generator):
     rec, mod = recurrence("gdn"), module("gdn")
     q, k, v, g, beta = [t.to("cuda:0") for t in sample(rec, Shape(1, 8, 1, 2, 16, 16), torch.bfloat16, generator)]
+    one_device = "; all tensors must share one device$"
     for kernel in ("chunk", "recurrent"):
-        with pytest.raises(mod.InputError, match=rf"^gdn\.{kernel}: k is on cuda:1 but q is on cuda:0; all tensors must share one device$"):
+        with pytest.raises(mod.InputError, match=rf"^gdn\.{kernel}: k is on cuda:1 but q is on cuda:0" + one_device):
             getattr(mod, kernel)(q, k.to("cuda:1"), v, g, beta)
         with pytest.raises(mod.InputError, match=rf"^gdn\.{kernel}: initial_state is on cuda:1 but q is on cuda:0$"):
             getattr(mod, kernel)(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 16, 16, device="cuda:1"))
     kernels = layer_kernels()
     x = torch.randn(1, 8, 16, device="cuda:0")
-    with pytest.raises(kernels.InputError, match=r"^short_conv: weight is on cuda:1 but x is on cuda:0; all tensors must share one device$"):
+    with pytest.raises(kernels.InputError, match=r"^short_conv: weight is on cuda:1 but x is on cuda:0" + one_device):
         kernels.short_conv(x, torch.randn(16, 4, device="cuda:1"))
 
 
@@ -209,7 +210,7 @@ def _sequence_slice(tensors, bounds, first):
     return cut, torch.tensor([b - start for b in bounds[first:]], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("name", [n for n in ALL_SPECS if n in ("gdn", "gdn_qwen35", "simple_gla", "deltanet")])
+@pytest.mark.parametrize("name", ["deltanet", "gdn", "gdn_qwen35", "linear_attn", "retnet", "simple_gla"])
 def test_4096_short_varlen_sequences_16_value_heads(name, generator):
     """4,096 packed sequences of 0 to 12 tokens with 16 value heads: 65,536 scan programs per
     block of value columns. chunk (every plan, forward and backward) and recurrent; the last 64
@@ -221,7 +222,7 @@ def test_4096_short_varlen_sequences_16_value_heads(name, generator):
     cuda = _cuda_generator(generator)
     tensors = _sample_on_gpu(rec, shape, cuda)
     h0 = torch.randn(4096, shape.HV, shape.K, shape.V, generator=cuda, device="cuda")
-    d_o = torch.randn(1, shape.T, shape.HV, shape.V, generator=cuda, device="cuda")
+    d_o = torch.randn(1, shape.T, shape.HV, shape.V, generator=cuda, device="cuda", dtype=torch.bfloat16)
     d_ht = torch.randn(h0.shape, generator=cuda, device="cuda")
     cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
     (*cut, cut_d_o), cut_cu = _sequence_slice([*tensors, d_o], bounds, 4096 - 64)
@@ -238,6 +239,28 @@ def test_4096_short_varlen_sequences_16_value_heads(name, generator):
         # per-head parameters' gradients sum over all 4,096 sequences: not comparable on a slice
         _check(f"{name} {kernel} {options} grads={seed is not None}: 4096 sequences x 16 value heads, last 64",
                _errors(rec, got, reference_grads), skip=_per_head(rec))
+
+
+# -- fp32 and fp64 inputs: chunk sizes whose kernels fit -----------------------------------------
+
+
+@pytest.mark.parametrize("dtype, K", [(torch.float32, 256), (torch.float64, 128), (torch.float64, 256)])
+def test_wide_inputs_default_to_a_chunk_size_that_fits(dtype, K, generator):
+    """fp32 and fp64 inputs multiply in their own width, in tiles too large for a block's shared
+    memory at C = 64 (fp32 from K > 128 on, fp64 always): the default chunk size fits (chunk and
+    the recurrent backward, the chunked one, vs the oracle) and chunk_size=64 is one clear error."""
+    rec, mod = recurrence("gdn"), module("gdn")
+    shape = Shape(1, 100, 1, 2, K, K)
+    tensors = [t.cuda() for t in sample(rec, shape, dtype, generator)]
+    h0 = torch.randn(1, 2, K, K, generator=generator, dtype=dtype).cuda()
+    d_o = torch.randn(1, 100, 2, K, generator=generator, dtype=dtype).cuda()
+    d_ht = torch.randn_like(h0)
+    expected = _oracle(rec, tensors, h0, d_o, d_ht, use_qk_l2norm_in_kernel=True)
+    for kernel in ("chunk", "recurrent"):
+        got = _run(mod, kernel, tensors, h0, d_o, d_ht, use_qk_l2norm_in_kernel=True)
+        _check(f"gdn {kernel} {dtype} K=V={K}", _errors(rec, got, expected), limit=FP32_LIMIT)
+    with pytest.raises(mod.InputError, match=rf"chunk_size=64 with {dtype} inputs at K={K} needs more shared memory"):
+        mod.chunk(*tensors, chunk_size=64)
 
 
 # -- tensors past 2**31 elements ---------------------------------------------------------------

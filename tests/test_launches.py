@@ -159,7 +159,23 @@ def test_tensors_on_different_devices_are_one_clear_error(generator):
 def test_layer_kernels_refuse_tensors_on_different_devices(generator):
     kernels = layer_kernels()
     x = torch.randn(1, 4, 8, generator=generator)
-    with pytest.raises(kernels.InputError, match=r"^short_conv: weight is on meta but x is on cpu; all tensors must share one device$"):
+    one_device = "; all tensors must share one device$"
+    with pytest.raises(kernels.InputError, match=r"^short_conv: weight is on meta but x is on cpu" + one_device):
         kernels.short_conv(x, torch.zeros(8, 4, device="meta"))
-    with pytest.raises(kernels.InputError, match=r"^gated_rms_norm: gate is on meta but x is on cpu; all tensors must share one device$"):
+    with pytest.raises(kernels.InputError, match=r"^gated_rms_norm: gate is on meta but x is on cpu" + one_device):
         kernels.gated_rms_norm(x, x.to("meta"), torch.ones(8))
+
+
+def test_chunk_sizes_of_wide_inputs_fit_a_gpu_block():
+    """fp32 and fp64 inputs multiply in their own width on a GPU, so their default (and largest)
+    chunk size is one whose kernels fit a block's shared memory (as lrdsl.resources measured them,
+    the module's LARGEST_CHUNK_SIZE_WIDE_INPUTS); the interpreter has no such limit. A meta tensor
+    stands for a GPU's, as in lrdsl.resources."""
+    mod = module("gdn")
+
+    def largest(dtype, K, device="meta", precision="input"):
+        return mod._largest_chunk_size(torch.empty(0, dtype=dtype, device=device), K, precision)
+
+    assert [largest(torch.bfloat16, 256), largest(torch.bfloat16, 256, precision="tf32")] == [64, 32]
+    assert [largest(torch.float32, 128), largest(torch.float32, 256), largest(torch.float64, 64)] == [64, 32, 16]
+    assert [largest(torch.float32, 256, "cpu"), largest(torch.float64, 256, "cpu")] == [64, 64]
