@@ -773,7 +773,7 @@ class ServingCase:
     decode: tuple  # one token per sequence: q, k, v, the spec's inputs
     drafts: tuple  # DRAFT_TOKENS tokens per sequence
     indices: torch.Tensor  # [B] int32: B distinct rows of a pool of 2B, in random order
-    accepted: torch.Tensor  # [B] int32 in 0 .. DRAFT_TOKENS
+    accepted: torch.Tensor  # [B] int32 in 0 .. DRAFT_TOKENS, the first DRAFT_TOKENS
     start: dict  # state dtype -> the pool's start [2B, HV, K, V] (bf16: the fp32 start rounded)
     expected: dict  # call -> {output name: the oracle's float64 tensor}
 
@@ -784,7 +784,11 @@ def make_serving_case(rec: Recurrence, shape: Shape, dtype, device, generator) -
     drafts = tuple(t.to(device) for t in make_inputs(rec, replace(shape, T=DRAFT_TOKENS), dtype=dtype, generator=generator,
                                                      normalize_keys=False))
     indices = torch.randperm(P, generator=generator)[:B].to(device, torch.int32)
-    accepted = torch.randint(0, DRAFT_TOKENS + 1, (B,), generator=generator).to(device, torch.int32)
+    accepted = torch.randint(0, DRAFT_TOKENS + 1, (B,), generator=generator)
+    # the first sequence accepts every draft token: with all counts 0 the pool rows would keep
+    # their start, and a commit that writes nothing would pass the oracle gate
+    accepted[0] = DRAFT_TOKENS
+    accepted = accepted.to(device, torch.int32)
     start32 = (torch.randn(P, shape.HV, shape.K, shape.V, generator=generator) * 0.1).to(device)
     start = {torch.float32: start32, torch.bfloat16: start32.to(torch.bfloat16)}
     options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
