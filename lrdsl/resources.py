@@ -9,6 +9,10 @@ shared memory per block, and whether it fits (a block gets at most 232,448 bytes
 memory on sm_90). So register pressure and shared-memory overflows show up in CI, not on the GPU.
 
     python -m lrdsl.resources specs/gdn.toml [--shape B,T,H,HV,K,V] [--dtype bf16] [--precision input]
+                              [--chunk-size C] [--kernels TEXT]
+
+A chunk size over the module's largest for the shape (largest_chunk_size) is refused by chunk()
+itself, as for any call.
 """
 from __future__ import annotations
 
@@ -136,8 +140,10 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     return registers, int(spills.group(1)) if spills else 0
 
 
-def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90) -> list[KernelResources]:
-    """Compile every kernel a chunk call (forward and backward) and a recurrent call launch."""
+def kernel_resources(module, rec, shape, dtype, precision="input", chunk_size=None, only: str = "",
+                     arch: int = 90) -> list[KernelResources]:
+    """Compile every kernel a chunk call (forward and backward; chunk_size None: the module's
+    default for this call) and a recurrent call launch, or those whose name contains `only`."""
     import torch
 
     from .workloads import make_inputs
@@ -147,12 +153,14 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     tensors = [t.to("meta") for t in tensors]
     leaves = [t.requires_grad_() for t in tensors]
     with _LaunchRecorder(module) as recorder:
-        if hasattr(module, "chunk"):
-            o, _ = module.chunk(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True, precision=precision)
-            o.sum().backward()
+        o, _ = module.chunk(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True, precision=precision,
+                            chunk_size=chunk_size)
+        o.sum().backward()
         module.recurrent(*[t.detach() for t in tensors], use_qk_l2norm_in_kernel=True, output_final_state=True)
     seen, report = set(), []
     for fn, args, kwargs in recorder.launches:
+        if only not in fn.__name__:
+            continue
         compiled, options, extra = _compile(fn, args, dict(kwargs), arch)
         launch = " ".join(f"{k}={v}" for k, v in {**options, **extra}.items())
         if (fn.__name__, launch) in seen:
@@ -171,7 +179,7 @@ def main(argv=None) -> int:
 
     from . import load
     from .passes.pipeline import run_pipeline
-    from .spec import load_spec
+    from .specs_registry import load_spec_by_name as load_spec
     from .workloads import Shape
 
     p = argparse.ArgumentParser(prog="python -m lrdsl.resources", description=__doc__.split("\n\n")[0])
@@ -179,11 +187,17 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="1,256,2,4,128,128", help="B,T,H,HV,K,V")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--precision", default="input", choices=("input", "tf32"))
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="default: the module's for this shape and precision (largest_chunk_size)")
+    p.add_argument("--kernels", default="", metavar="TEXT", help="only the kernels whose name contains TEXT")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     rec = run_pipeline(load_spec(args.spec), until="recurrence")["recurrence"]
     module = load(args.spec)
-    report = kernel_resources(module, rec, Shape(*map(int, args.shape.split(","))), dtype, args.precision)
+    shape = Shape(*map(int, args.shape.split(",")))
+    chunk_size = args.chunk_size or module.largest_chunk_size(shape.K, args.precision)
+    print(f"{rec.name}: {shape}, {args.dtype}, precision={args.precision}, chunk_size={chunk_size}, sm_90")
+    report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size, args.kernels)
     for row in report:
         print(row.describe())
     return 0 if all(r.fits for r in report) else 1

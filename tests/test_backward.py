@@ -320,7 +320,7 @@ def test_check_reports_a_gradient_error_the_forward_hides(generator, device):
         return o + 0.5 * (o - o.detach()), ht  # the same values; gradients through o 1.5x too large
 
     shim = SimpleNamespace(chunk=chunk_with_wrong_gradient, recurrent=mod.recurrent, CHUNK_PLANS=mod.CHUNK_PLANS,
-                           CHUNK_SIZES=mod.CHUNK_SIZES)
+                           CHUNK_SIZES=mod.CHUNK_SIZES, largest_chunk_size=mod.largest_chunk_size)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
     rows = check_module(shim, rec, Shape(1, 12, 1, 2, 8, 8), device=device, seed=seed, timed=False, plans=["split"], chunk_sizes=[64])
     by_kernel = {(row.kernel, row.case): row for row in rows}

@@ -36,7 +36,7 @@ RECURRENT_OPTIONS = (
     ("use_qk_l2norm_in_kernel", "False"),
 )
 CHUNK_OPTIONS = RECURRENT_OPTIONS + (
-    ("chunk_size", "None"),  # 64, or 32 with precision="tf32" (LARGEST_CHUNK_SIZE)
+    ("chunk_size", "None"),  # the largest that fits: largest_chunk_size(K, precision)
     ("plan", "None"),
     ("chunk_indices", "None"),
     ("save_policy", "None"),
