@@ -38,15 +38,20 @@ def varlen_bounds(T: int) -> list[int]:
     return [0, 0, 1, 1 + first, 1 + first, T]
 
 
-def kernel_configs(module, plans=None, chunk_sizes=None) -> list[tuple[str, str, dict]]:
-    """(label, function, options) for the recurrent kernel and each chunk plan x chunk size
-    (all of the module's, or the ones named)."""
+def kernel_configs(module, plans=None, chunk_sizes=None, K: int | None = None) -> list[tuple[str, str, dict]]:
+    """(label, function, options) for the recurrent kernel and each chunk plan x chunk size (all
+    of the module's that fit a GPU block at K key channels, or the ones named)."""
+    largest = module.largest_chunk_size(K) if K is not None else max(module.CHUNK_SIZES)
     plans = tuple(plans or module.CHUNK_PLANS)
-    chunk_sizes = tuple(chunk_sizes or module.CHUNK_SIZES)
+    chunk_sizes = tuple(chunk_sizes or (c for c in module.CHUNK_SIZES if c <= largest))
     unknown = [p for p in plans if p not in module.CHUNK_PLANS] + [c for c in chunk_sizes if c not in module.CHUNK_SIZES]
     if unknown:
         raise LrdslError(f"no chunk plan or size {unknown[0]!r}; plans: {', '.join(module.CHUNK_PLANS)}; "
                          f"sizes: {', '.join(str(c) for c in module.CHUNK_SIZES)}")
+    too_large = [c for c in chunk_sizes if c > largest]
+    if too_large:
+        raise LrdslError(f"chunk size {too_large[0]} at K={K} needs more shared memory than a GPU block has; "
+                         f"this spec's largest there is {largest}")
     configs = [("recurrent", "recurrent", {})]
     configs += [(f"chunk[{p},{c}]", "chunk", {"plan": p, "chunk_size": c}) for p in plans for c in chunk_sizes]
     return configs
@@ -83,7 +88,7 @@ def check_module(
     <o, dO> + <final state, dS>, against autograd through the oracle. `on_row(row, done, total)`
     is called as each row finishes (a long run shows progress)."""
     generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    configs = kernel_configs(module, plans, chunk_sizes)
+    configs = kernel_configs(module, plans, chunk_sizes, shape.K)
     names = ["q", "k", "v"] + [i.name for i in rec.inputs] + ["initial_state"]
     cases = ("dense+h0+l2norm", "varlen+h0")
     total = len(cases) * len(dtypes) * len(configs)

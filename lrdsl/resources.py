@@ -10,7 +10,10 @@ memory on sm_90). So what only the GPU compiler rejects (a tl.dot dimension unde
 register pressure and shared-memory overflows show up in CI, not on the GPU.
 
     python -m lrdsl.resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
-                              [--chunk-size C]
+                              [--chunk-size C] [--kernels TEXT]
+
+A chunk size over the module's largest for the shape (largest_chunk_size) is refused by chunk()
+itself, as for any call.
 """
 from __future__ import annotations
 
@@ -143,12 +146,13 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     return registers, int(spills.group(1)) if spills else 0
 
 
-def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90, chunk_size=None) -> list[KernelResources]:
+def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90, chunk_size=None,
+                     only: str = "") -> list[KernelResources]:
     """Compile every kernel that chunk calls (forward and backward, every plan; chunk_size None:
     the default for the precision), a recurrent call and the serving calls (decode on a bf16 pool
     kept [P, HV, V, K], verify and commit on an fp32 pool) launch, each once per distinct
-    specialisation. The chunk and recurrent calls take an initial state and both outputs'
-    gradients: the kernels' longest variants."""
+    specialisation, or only those whose name contains `only`. The chunk and recurrent calls take
+    an initial state and both outputs' gradients: the kernels' longest variants."""
     import torch
 
     from .workloads import make_inputs
@@ -177,7 +181,7 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     seen, report = set(), []
     for fn, args, kwargs in recorder.launches:
         key = (fn.__name__, repr(args), repr(sorted(kwargs.items())))  # meta tensors print as shape and dtype
-        if key in seen:
+        if only not in fn.__name__ or key in seen:
             continue
         seen.add(key)
         compiled, launch_options, extra = _compile(fn, args, dict(kwargs), arch)
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
 
     from . import load
     from .passes.pipeline import run_pipeline
-    from .spec import load_spec
+    from .specs_registry import load_spec_by_name as load_spec
     from .workloads import Shape
 
     p = argparse.ArgumentParser(prog="python -m lrdsl.resources", description=__doc__.split("\n\n")[0])
@@ -203,7 +207,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", action="append", help="B,T,H,HV,K,V (repeat for several; default 1,256,2,4,128,128)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp64"))
     p.add_argument("--precision", default="input", choices=("input", "tf32"))
-    p.add_argument("--chunk-size", type=int, default=None, help="default: the module's default for the precision")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="default: the module's for the shape and precision (largest_chunk_size)")
+    p.add_argument("--kernels", default="", metavar="TEXT", help="only the kernels whose name contains TEXT")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
     fits = True
@@ -212,8 +218,9 @@ def main(argv=None) -> int:
         module = load(spec)
         for text in args.shape or ["1,256,2,4,128,128"]:
             shape = Shape(*map(int, text.split(",")))
-            print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}")
-            report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=args.chunk_size)
+            chunk_size = args.chunk_size or module.largest_chunk_size(shape.K, args.precision, dtype)
+            print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}  chunk_size={chunk_size}  sm_90")
+            report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=chunk_size, only=args.kernels)
             for row in report:
                 print(row.describe())
             fits = fits and all(r.fits for r in report)

@@ -320,7 +320,7 @@ def test_check_reports_a_gradient_error_the_forward_hides(generator, device):
         return o + 0.5 * (o - o.detach()), ht  # the same values; gradients through o 1.5x too large
 
     shim = SimpleNamespace(chunk=chunk_with_wrong_gradient, recurrent=mod.recurrent, CHUNK_PLANS=mod.CHUNK_PLANS,
-                           CHUNK_SIZES=mod.CHUNK_SIZES)
+                           CHUNK_SIZES=mod.CHUNK_SIZES, largest_chunk_size=mod.largest_chunk_size)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
     rows = check_module(shim, rec, Shape(1, 12, 1, 2, 8, 8), device=device, seed=seed, timed=False, plans=["split"], chunk_sizes=[64])
     by_kernel = {(row.kernel, row.case): row for row in rows}
@@ -333,10 +333,10 @@ def test_check_reports_a_gradient_error_the_forward_hides(generator, device):
 
 @pytest.mark.parametrize("bounds", [None, [0, 3, 70, 100]], ids=["dense", "varlen"])
 def test_backward_recomputes_at_its_own_chunk_size(bounds, generator, device, monkeypatch):
-    """chunk_size left to lrdsl: the forward runs at LARGEST_CHUNK_SIZE, the backward (which
+    """chunk_size left to lrdsl: the forward runs at largest_chunk_size, the backward (which
     recomputes every forward buffer it reads) at BACKWARD_CHUNK_SIZE; gradients still match."""
     mod = module("gdn")
-    assert mod.BACKWARD_CHUNK_SIZE["input"] < mod.LARGEST_CHUNK_SIZE["input"]
+    assert mod.BACKWARD_CHUNK_SIZE["input"] < mod.largest_chunk_size(16)
     sizes, backward = [], mod._chunk_backward
     monkeypatch.setattr(mod, "_chunk_backward", lambda c, *rest: sizes.append(c["BT"]) or backward(c, *rest))
     case = dict(shape=Shape(1, 100, 1, 2, 16, 16), h0=True, dht=True, bounds=bounds)

@@ -118,8 +118,9 @@ def test_gpu_save_policies(save_policy, generator):
 
 
 @pytest.mark.parametrize("K, V", [(256, 256), (200, 136)])
-@pytest.mark.parametrize("name", ["gdn", "simple_gla"])
+@pytest.mark.parametrize("name", ["gdn", "simple_gla", "kda", "gla"])
 def test_gpu_large_and_odd_head_dims(name, K, V, generator):
+    """K > 128 at each module's default chunk size (largest_chunk_size: 32 for kda there)."""
     case = dict(shape=Shape(1, 300, 1, 2, K, V))
     _forward(name, "chunk", case, generator)
     _gradients(name, case, generator)

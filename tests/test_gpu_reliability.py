@@ -259,7 +259,7 @@ def test_wide_inputs_default_to_a_chunk_size_that_fits(dtype, K, generator):
     for kernel in ("chunk", "recurrent"):
         got = _run(mod, kernel, tensors, h0, d_o, d_ht, use_qk_l2norm_in_kernel=True)
         _check(f"gdn {kernel} {dtype} K=V={K}", _errors(rec, got, expected), limit=FP32_LIMIT)
-    with pytest.raises(mod.InputError, match=rf"chunk_size=64 with {dtype} inputs at K={K} needs more shared memory"):
+    with pytest.raises(mod.InputError, match=rf"chunk_size=64 with precision='input' and K={K} \({dtype} inputs\) needs more shared memory"):
         mod.chunk(*tensors, chunk_size=64)
 
 

@@ -137,3 +137,33 @@ def test_tf32_chunk_size_default_and_limit(device):
     assert relative_error(o, expected) <= 2e-3
     with pytest.raises(mod.InputError, match="chunk_size <= 32"):
         mod.chunk(q, q, v, g, beta, precision="tf32", chunk_size=64)
+
+
+@pytest.mark.parametrize("name", ["kda", "kda_fused_gate", "kda_neg_eigval"])
+def test_key_channel_delta_chunk_size_follows_key_width(name, generator, device):
+    """A triangular system beside per-key-channel decayed products: at K > 128 the backward's
+    output kernel does not fit an sm_90 block at C = 64, so chunk() defaults to 32 there and
+    refuses 64 in one line; at K <= 128 it keeps 64. The rule comes from the chunk program (which
+    ops it holds), not the spec's name."""
+    from lrdsl import reference
+    from lrdsl.workloads import relative_error
+
+    mod, rec = module(name), recurrence(name)
+    assert mod.largest_chunk_size(128) == 64 and mod.largest_chunk_size(129) == 32
+    assert mod.largest_chunk_size(128, "tf32") == 32 and mod.largest_chunk_size(256, "tf32") == 32
+    tensors = [t.to(device) for t in make_inputs(rec, Shape(1, 5, 1, 1, 136, 8), generator=generator)]
+    with pytest.raises(mod.InputError) as info:
+        mod.chunk(*tensors, chunk_size=64)
+    message = str(info.value)
+    assert "\n" not in message and message == (
+        f"{name}.chunk: chunk_size=64 with precision='input' and K=136 needs more shared memory than a GPU "
+        "block has: use chunk_size <= 32")
+    o, _ = mod.chunk(*tensors)  # the default: 32
+    expected, _ = reference.run(rec, *(t.double() for t in tensors))
+    assert relative_error(o, expected) <= 2e-3
+
+
+@pytest.mark.parametrize("name", ["gdn", "gla"])
+def test_chunk_size_without_system_and_per_channel_products_keeps_64_at_wide_keys(name):
+    mod = module(name)
+    assert mod.largest_chunk_size(256) == 64 and mod.largest_chunk_size(256, "tf32") == 32

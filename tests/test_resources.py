@@ -51,3 +51,13 @@ def test_head_dims_under_16_compile_for_sm90():
         assert any(r.startswith(f"{name}_recurrent_fwd_kernel") for r in rows), (header, rows)
         if hasattr(module(name), "chunk"):
             assert any(r.startswith(f"{name}_chunk_bwd_output_kernel") for r in rows), (header, rows)
+
+
+def test_key_channel_delta_backward_fits_sm90_at_its_default_chunk_size():
+    """The kernel that sets the largest chunk size (the backward's output kernel) of a spec with
+    a triangular system and per-key-channel decayed products (kda), at K = 256 where that rule
+    gives C = 32 (64 needs 303,104 bytes). One kernel, to stay cheap."""
+    sections = compile_for_sm90(["kda"], ["1,64,1,1,256,256"], "--kernels", "bwd_output")
+    [(header, rows)] = sections.items()
+    assert "chunk_size=32" in header, header
+    assert len(rows) == 1 and rows[0].startswith("kda_chunk_bwd_output_kernel"), rows

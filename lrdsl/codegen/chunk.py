@@ -663,6 +663,25 @@ CHUNK_LAUNCH = {
 # kernel computed wrong results on the H200 (triton 3.6.0), while these were checked there.
 CHUNK_LAUNCH_WIDE_K = {"bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
 CHUNK_LAUNCH_FP32 = {"bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
+# The largest chunk size whose kernels fit an sm_90 block's shared memory (232,448 bytes), by
+# (precision, K > 128). `python -m lrdsl.resources` measures the backward's output kernel, the
+# largest, at C = 64: fp32 operands ("tf32") take 262,144 bytes for gdn, over, so that precision
+# takes C <= 32 everywhere. A triangular system (the delta rule) together with per-key-channel
+# decayed products holds the most tiles: kda's needs 155,648 bytes at K = 128 but 303,104 at
+# K = 256 (over; 40,960 at C = 32), while gla (no system) needs 98,304 at K = 256.
+LARGEST_CHUNK_SIZE = {("input", False): 64, ("input", True): 64, ("tf32", False): 32, ("tf32", True): 32}
+LARGEST_CHUNK_SIZE_SYSTEM_PER_CHANNEL = {("input", False): 64, ("input", True): 32, ("tf32", False): 32, ("tf32", True): 32}
+
+
+def largest_chunk_sizes(*programs: ChunkProgram) -> dict:
+    """The generated module's LARGEST_CHUNK_SIZE, from what the programs compute (a triangular
+    system beside per-key-channel decayed products), never from the spec's name."""
+    ops = [op for prog in programs for op in prog.ops]
+    if any(isinstance(op, UnitLowerInverse) for op in ops) and uses_key_channel_helpers(*programs):
+        return LARGEST_CHUNK_SIZE_SYSTEM_PER_CHANNEL
+    return LARGEST_CHUNK_SIZE
+
+
 # Measured on the H200 (BENCHMARKS.md): 3 stages cut the forward scan at 1 x 65536 with 8 value
 # heads (32 programs) from 1.64 to 1.28 ms per call, and slowed it at 4 x 4096 (512 programs).
 # The backward scan has the same loop-carried structure.
@@ -682,7 +701,6 @@ REGISTER_FILE_BYTES_PER_WARP = 32 * 255 * 4  # 32 threads x 255 registers of 4 b
 PRESSURE_TOLERANCE = 1.25
 PRESSURE_HEAD_DIM = 128  # the head dimension the estimate assumes (K = V)
 CHUNK_SIZE_CHOICES = (64, 32, 16)
-LARGEST_CHUNK_SIZE = {"input": 64, "tf32": 32}  # what fits an sm_90 block's shared memory
 
 
 def backward_chunk_sizes(backward: ChunkPlans) -> dict[str, int]:
@@ -690,7 +708,8 @@ def backward_chunk_sizes(backward: ChunkPlans) -> dict[str, int]:
     (pressure.peak_tile_bytes) stay within PRESSURE_TOLERANCE x its program's register file."""
     prog, plan = backward.graph.program, backward.plans[0]
     sizes = {}
-    for precision, largest in LARGEST_CHUNK_SIZE.items():
+    for precision in ("input", "tf32"):
+        largest = LARGEST_CHUNK_SIZE[precision, False]  # the estimate assumes K = PRESSURE_HEAD_DIM
         fits = [c for c in CHUNK_SIZE_CHOICES if c <= largest and _fits_registers(prog, plan, c, precision)]
         sizes[precision] = fits[0] if fits else CHUNK_SIZE_CHOICES[-1]
     return sizes
@@ -835,7 +854,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         launch_fp32=repr(CHUNK_LAUNCH_FP32),
         launch_few_programs=repr(CHUNK_LAUNCH_FEW_PROGRAMS),
         launch_small_chunk=repr(CHUNK_LAUNCH_SMALL_CHUNK),
-        largest_chunk_size=repr(LARGEST_CHUNK_SIZE),
+        largest_chunk_size=repr(largest_chunk_sizes(prog, item.backward.graph.program)),
         backward_chunk_size=repr(backward_chunk_sizes(item.backward)),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p) for p in plans.plans],
