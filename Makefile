@@ -7,6 +7,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Test processes (pytest-xdist): the interpreter runs one Python thread per test, so a CPU machine's
+# cores each take a share of the suite. GPU tests are run on their own (`pytest -m gpu`), not here.
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test setup clean
@@ -25,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/lrdsl demo specs/gdn.toml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
