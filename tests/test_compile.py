@@ -79,6 +79,26 @@ def test_prefill_and_decode_compile_fullgraph_forward_and_backward(name, generat
         assert relative_error(a, b) <= LIMIT, f"gradient {index} vs the oracle"
 
 
+@pytest.mark.parametrize("chunk_size", [None, 16])
+def test_compiled_backward_runs_at_the_chunk_size_eager_chooses(chunk_size, generator, device, monkeypatch):
+    """Under torch.compile, as in eager chunk(): with the chunk size left to lrdsl the backward
+    recomputes at BACKWARD_CHUNK_SIZE (what its kernels' registers hold), with a caller's at that
+    one; the gradients match the oracle either way."""
+    mod, rec = module("gdn"), recurrence("gdn")
+    tensors = [t.to(device).requires_grad_() for t in small_inputs("gdn", generator, T=40)]
+    sizes, backward = [], mod._chunk_backward
+    monkeypatch.setattr(mod, "_chunk_backward", lambda c, *rest: sizes.append(c["BT"]) or backward(c, *rest))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *x: mod.chunk(*x, chunk_size=chunk_size)[0].float().sin().sum(), fullgraph=True,
+                             backend=BACKEND)
+    grads = torch.autograd.grad(compiled(*tensors), tensors)
+    expected = mod.BACKWARD_CHUNK_SIZE["input"] if chunk_size is None else chunk_size
+    assert sizes == [expected] and expected < mod.largest_chunk_size(8)
+    refs = [t.detach().double().requires_grad_() for t in tensors]
+    o, _ = reference.run(rec, *refs)
+    for index, (a, b) in enumerate(zip(grads, torch.autograd.grad(o.sin().sum(), refs))):
+        assert relative_error(a, b) <= LIMIT, f"gradient {index} vs the oracle"
+
 def serving_step(mod):
     """One engine step: decode one token per request on the pool, verify 3 draft tokens, commit."""
 
@@ -128,7 +148,7 @@ def test_custom_ops_pass_opcheck(generator, device):
     scale = 8 ** -0.5
     calls = [  # the spec's inputs travel as one list
         (ops.recurrent, (lq, lk, lv, [lg, lbeta], lh0, None, scale, True, True, False)),
-        (ops.chunk, (lq, lk, lv, [lg, lbeta], lh0, None, None, None, scale, True, True, 16, mod.DEFAULT_CHUNK_PLAN,
+        (ops.chunk, (lq, lk, lv, [lg, lbeta], lh0, None, None, None, scale, True, True, 16, 16, mod.DEFAULT_CHUNK_PLAN,
                      "recompute", "input", False)),
         (ops.recurrent_pool, (q, k, v, [g, beta], pool.clone(), indices, None, scale, True, False, True)),
         (ops.chunk_pool, (q, k, v, [g, beta], pool.clone(), indices, None, None, None, scale, True, 16,
