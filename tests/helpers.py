@@ -13,9 +13,8 @@ from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from conftest import SPECS
 
-# the update x gate families of the shipped specs: delta / plain x none / scalar / key-channel, and
-# the dplr update (key-channel)
-CORE_SPECS = ("gdn", "deltanet", "simple_gla", "linear_attn", "kda", "gla", "rwkv7")
+# the four update x gate families of the shipped specs: delta / plain x none / scalar / key-channel
+CORE_SPECS = ("gdn", "deltanet", "simple_gla", "linear_attn", "kda", "gla")
 ALL_SPECS = tuple(sorted(p.stem for p in SPECS.glob("*.toml")))
 
 # hypothesis strategies of the property tests: shapes (HV = H * group; K and V not powers of two
@@ -42,12 +41,6 @@ def recurrence(name: str):
 
 def module(name: str):
     return lrdsl.load(spec_path(name))
-
-
-def fitting_chunk_size(name: str, chunk_size: int, K: int) -> int:
-    """chunk_size, or the module's largest where it takes no larger (largest_chunk_size: what
-    fits an sm_90 block, the same on every device; rwkv7 takes at most 32)."""
-    return min(chunk_size, module(name).largest_chunk_size(K))
 
 
 def direct_input(rec, formula):

@@ -104,11 +104,12 @@ class FakeFla:
             return _as_fla(gla, q, k, v, [gk], scale, initial_state, output_final_state, False)
 
         def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                        cu_seqlens_cpu=None, safe_gate=False, chunk_size=None, **kwargs):
+                        cu_seqlens_cpu=None, safe_gate=False, chunk_size=None, disable_recompute=False,
+                        cp_context=None, lower_bound=None, **kwargs):
             record("chunk_rwkv7", locals())
             return _as_fla(rwkv7, r, k, v, [w, a, b], scale, initial_state, output_final_state, False)
 
-        def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
+        def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None, output_final_state=True,
                                   cu_seqlens=None, **kwargs):
             record("fused_recurrent_rwkv7", locals())
             return _as_fla(rwkv7, r, k, v, [w, a, b], scale, initial_state, output_final_state, False)

@@ -264,8 +264,10 @@ BETAS = {  # beta -> (inputs, formula): absent, per token in (0, 2), one per hea
 
 
 # dplr's low-rank vectors: bounded formulas of their own inputs (|a| small enough that I + b a^T
-# stays near a contraction over the test's tokens)
-LOW_RANK = ({"la": "token_key", "lb": "token_key"}, {"low_rank_read": "-0.2 * tanh(la)", "low_rank_write": "tanh(lb)"})
+# stays near a contraction over the test's tokens), of every role a K-vector can be formed from:
+# per token and key channel, per token (spread over the channels), per head and key channel
+LOW_RANK = ({"la": "token_key", "ls": "token", "lb": "head_key"},
+            {"low_rank_read": "-0.2 * tanh(la) * sigmoid(ls)", "low_rank_write": "tanh(lb)"})
 COMBINATIONS = [(u, g, b) for u in ("delta", "plain") for g in sorted(GATES) for b in sorted(BETAS)]
 COMBINATIONS += [("dplr", "key_channel", b) for b in sorted(BETAS)]  # dplr decays per key channel
 
@@ -318,3 +320,22 @@ def test_a_recurrence_without_chunk_form_is_refused_at_compile_time():
     with pytest.raises(CompileError) as info:
         emit_module(stages, spec_path="specs/gla.toml")
     assert str(info.value) == "specs/gla.toml: cannot compile no chunk form for gla: an update the passes do not chunk"
+
+
+def test_a_backward_larger_than_any_measured_chunk_size_is_refused_at_compile_time(monkeypatch):
+    """The largest chunk size is read off the backward's output kernel (how many per-key-channel
+    decayed products it holds); a program beyond every measured row gets one line, not a module
+    whose kernels might not fit a GPU block. Here the table lacks rwkv7's row."""
+    from lrdsl.codegen import chunk as chunk_codegen
+    from lrdsl.codegen.module import emit_module
+    from lrdsl.errors import CompileError
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec
+
+    from helpers import spec_path
+
+    monkeypatch.setattr(chunk_codegen, "LARGEST_CHUNK_SIZES", chunk_codegen.LARGEST_CHUNK_SIZES[:-1])
+    with pytest.raises(CompileError) as info:
+        emit_module(run_pipeline(load_spec(spec_path("rwkv7"))), spec_path="specs/rwkv7.toml")
+    assert str(info.value) == ("rwkv7: the backward's output kernel computes 10 per-key-channel decayed products, more "
+                               "than any chunk size was measured to fit (python -m lrdsl.resources)")

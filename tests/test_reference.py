@@ -106,7 +106,6 @@ def test_oracle_is_differentiable(generator):
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in tensors)
 
 
-
 # The gated delta rule as a dplr update (docs/design.md §1): b_t = k_t, a_t = -beta_t exp(g_t) k_t
 # and the write beta_t k_t v_t^T. The key enters as an input of its own (formulas cannot read k).
 KDA_AS_DPLR = """\
@@ -126,19 +125,24 @@ low_rank_write = "kk"
 """
 
 
-def test_the_delta_rule_is_a_dplr_update(tmp_path, generator):
+@pytest.mark.parametrize("name", ["kda", "gdn"])
+def test_the_delta_rule_is_a_dplr_update(name, tmp_path, generator):
+    """kda, and gdn (its one decay per token spread over the key channels), as the dplr update
+    b_t = k_t, a_t = -beta_t exp(g_t) k_t: the oracle gives the delta rule's numbers."""
     from lrdsl.passes.pipeline import run_pipeline
     from lrdsl.spec import load_spec
 
     path = tmp_path / "kda_as_dplr.toml"
     path.write_text(KDA_AS_DPLR)
     dplr = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
-    kda = recurrence("kda")
-    q, k, v, g, beta = sample(kda, Shape(1, 11, 1, 2, 5, 3), torch.float32, generator)
+    delta = recurrence(name)
+    K = 5
+    q, k, v, g, beta = sample(delta, Shape(1, 11, 1, 2, K, 3), torch.float32, generator)
+    per_channel = g if g.dim() == 4 else g[..., None].expand(-1, -1, -1, K)
     keys = k.repeat_interleave(2, dim=2)  # per value head, as a token_key input
-    h0 = torch.randn(1, 2, 5, 3, generator=generator)
+    h0 = torch.randn(1, 2, K, 3, generator=generator)
     kwargs = dict(initial_state=h0, output_final_state=True)
-    o, ht = reference.run(dplr, q, k, v, g, beta, keys, **kwargs)
-    o_kda, ht_kda = reference.run(kda, q, k, v, g, beta, **kwargs)
-    torch.testing.assert_close(o, o_kda, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(ht, ht_kda, rtol=1e-10, atol=1e-10)
+    o, ht = reference.run(dplr, q, k, v, per_channel, beta, keys, **kwargs)
+    o_delta, ht_delta = reference.run(delta, q, k, v, g, beta, **kwargs)
+    torch.testing.assert_close(o, o_delta, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_delta, rtol=1e-10, atol=1e-10)
