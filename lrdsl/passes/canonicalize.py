@@ -132,7 +132,8 @@ def _check_low_rank(spec: Spec, low_rank, reads) -> None:
     if spec.gate is not GateKind.KEY_CHANNEL:
         raise spec.error(
             "recurrence.gate",
-            f"update = 'dplr' takes gate = 'key_channel' (its decay is per key channel), got '{spec.gate.value}'",
+            f"update = 'dplr' takes gate = 'key_channel' (its decay is per key channel), got '{spec.gate.value}'; "
+            "a decay per token is a token_key input with one value repeated over the key channels",
         )
 
 
