@@ -171,10 +171,15 @@ def test_chunk_size_with_few_decayed_products_keeps_64_at_wide_keys(name):
 
 def test_dplr_chunk_size(generator, device):
     """rwkv7's backward output kernel computes 10 decayed products: 434,176 bytes at C = 64,
-    K = 128, so 32 (16 with tf32) at every K, and 64 is refused in one line."""
+    K = 128, so 32 (16 with tf32) at every K, and 64 is refused in one line; with tf32 at K > 128
+    not even 16 fits (235,520 bytes at K = 256), so that precision is refused there."""
     mod, rec = module("rwkv7"), recurrence("rwkv7")
-    assert [mod.largest_chunk_size(K, p) for K in (64, 256) for p in ("input", "tf32")] == [32, 16, 32, 16]
+    assert [mod.largest_chunk_size(K, p) for K in (64, 256) for p in ("input", "tf32")] == [32, 16, 32, None]
     tensors = [t.to(device) for t in make_inputs(rec, Shape(1, 5, 1, 1, 8, 8), generator=generator)]
     with pytest.raises(mod.InputError, match=r"^rwkv7.chunk: chunk_size=64 with precision='input' and K=8 needs more "
                                              r"shared memory than a GPU block has: use chunk_size <= 32$"):
         mod.chunk(*tensors, chunk_size=64)
+    wide = [t.to(device) for t in make_inputs(rec, Shape(1, 5, 1, 1, 200, 8), generator=generator)]
+    with pytest.raises(mod.InputError, match=r"^rwkv7.chunk: precision='tf32' with K=200 needs more shared memory than "
+                                             r"a GPU block has at every chunk size: use precision='input' or K <= 128$"):
+        mod.chunk(*wide, precision="tf32")
