@@ -56,7 +56,7 @@ TRAINING_SHAPES = (
     Shape(1, 65536, 2, 8, 128, 128),
 )
 DECODE_SHAPES = tuple(Shape(B, 1, 16, 32, 128, 128) for B in (1, 64, 256, 1024))
-# the family's comparison shape (kda, gla against FLA's chunk_kda, chunk_gla): no GVA
+# the family's comparison shape (kda, gla, rwkv7 against FLA's chunk_kda, chunk_gla, chunk_rwkv7): no GVA
 FAMILY_SHAPES = (Shape(4, 4096, 16, 16, 128, 128),)
 SHAPE_GROUPS = {"training": TRAINING_SHAPES, "family": FAMILY_SHAPES, "decode": DECODE_SHAPES}
 
@@ -158,8 +158,9 @@ class FlaFunction:
     it can L2-normalise q and k itself (where it cannot, neither side does: the same work)."""
 
     name: str
-    roles: dict  # role ("gate", "beta") -> FLA parameter name
+    roles: dict  # role ("gate", "beta", "read", "write") -> FLA parameter name
     l2norm: bool = True
+    query: str = "q"  # FLA's name for q (RWKV-7's functions call it r)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class FlaBaseline:
 # Parameter names are fla-core 0.6.0's: fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv,
 # beta, ...) takes beta seventh, so nothing is passed by position.
 _GATE_AND_BETA = {"gate": "g", "beta": "beta"}
+_RWKV7_ROLES = {"gate": "w", "read": "a", "write": "b"}
 FLA_BASELINES = {
     ("scalar", "delta", True): FlaBaseline(
         "fla.ops.gated_delta_rule",
@@ -200,6 +202,12 @@ FLA_BASELINES = {
         FlaFunction("chunk_gla", {"gate": "g"}, l2norm=False),
         FlaFunction("fused_recurrent_gla", {"gate": "gk"}, l2norm=False),
     ),
+    # RWKV-7: chunk_rwkv7(r, w, k, v, a, b): w the log-decay, a what the low-rank term reads
+    ("key_channel", "dplr", False): FlaBaseline(
+        "fla.ops.rwkv7",
+        FlaFunction("chunk_rwkv7", _RWKV7_ROLES, l2norm=False, query="r"),
+        FlaFunction("fused_recurrent_rwkv7", _RWKV7_ROLES, l2norm=False, query="r"),
+    ),
 }
 
 # FLA's backend names, as the rows print them; FLA's own Triton kernels are "fla-triton".
@@ -207,14 +215,12 @@ FLA_BACKEND_LABELS = {"flash_qla": "flashqla"}
 
 
 def input_role(rec: Recurrence, name: str) -> str | None:
-    """What a spec input is to FLA: the log-decay itself ("gate"), beta itself ("beta"), or
-    neither (an input a formula transforms, which FLA's functions do not take)."""
+    """What a spec input is to FLA: the log-decay itself ("gate"), beta itself ("beta"), the
+    dplr update's low-rank vectors themselves ("read" a, "write" b), or none of these (an input a
+    formula transforms, which FLA's functions do not take)."""
     symbol = sympy.Symbol(name)
-    if rec.log_decay == symbol:
-        return "gate"
-    if rec.beta == symbol:
-        return "beta"
-    return None
+    roles = {"gate": rec.log_decay, "beta": rec.beta, "read": rec.low_rank_read, "write": rec.low_rank_write}
+    return next((role for role, expr in roles.items() if expr == symbol), None)
 
 
 def fla_baseline(rec: Recurrence) -> FlaBaseline | None:
@@ -240,7 +246,7 @@ def fla_keywords(rec: Recurrence, function: FlaFunction, call: Call) -> dict:
     """The keyword arguments of one FLA call: q, k, v, each spec input under FLA's name for its
     role, and the options."""
     q, k, v, *extras = call.tensors
-    keywords = {"q": q, "k": k, "v": v}
+    keywords = {function.query: q, "k": k, "v": v}
     for inp, tensor in zip(rec.inputs, extras):
         keywords[function.roles[input_role(rec, inp.name)]] = tensor
     keywords.update(scale=call.scale, initial_state=call.initial_state, output_final_state=True)
@@ -251,7 +257,7 @@ def fla_keywords(rec: Recurrence, function: FlaFunction, call: Call) -> dict:
 
 def missing_parameters(rec: Recurrence, function: FlaFunction, fla_function, l2norm: bool) -> list[str]:
     """The keywords this harness passes that `fla_function` does not name (a version mismatch)."""
-    wanted = ["q", "k", "v", *(function.roles[input_role(rec, i.name)] for i in rec.inputs),
+    wanted = [function.query, "k", "v", *(function.roles[input_role(rec, i.name)] for i in rec.inputs),
               "scale", "initial_state", "output_final_state"] + (["use_qk_l2norm_in_kernel"] if l2norm else [])
     named = explicit_parameters(fla_function)
     return [name for name in wanted if name not in named]

@@ -338,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("specs", nargs="*", metavar="SPEC", help="spec files (or --all)")
     p.add_argument("--all", action="store_true", help="every spec in ./specs with an FLA counterpart")
     p.add_argument("--shapes", default="training",
-                   help="comma-separated: training, family (4 x 4096, H = HV = 16: kda, gla vs FLA), decode, a known shape by BxT (4x4096, 256x1) or "
-                        "BxTxHxHV[xKxV]; T = 1 is decode (default training)")
+                   help="comma-separated: training, family (4 x 4096, H = HV = 16: kda, gla, rwkv7 vs FLA), decode, "
+                        "a known shape by BxT (4x4096, 256x1) or BxTxHxHV[xKxV]; T = 1 is decode (default training)")
     p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: the module's default plan)")
     p.add_argument("--backward", action="store_true", help="also time forward + backward (training shapes)")
     p.add_argument("--serving", action="store_true",

@@ -106,11 +106,16 @@ class SymbolicChunk:
                 values[sympy.Symbol(name)] = x
         return values
 
+    def vector_at(self, expr, t: int) -> sympy.Matrix:
+        """A per-key-channel formula at row t, as a K x 1 column."""
+        return sympy.Matrix(self.K, 1, lambda c, _: expr.subs(self.values_at(t, c), simultaneous=True))
+
     def unrolled(self):
         """The recurrence token by token (docs/design.md §1): (output rows, final state)."""
         rec, S, outputs = self.rec, self.H, []
         for t in range(self.rows):
             values = self.values_at(t)
+            S_before = S
             if rec.gate is GateKind.KEY_CHANNEL:  # Diag(exp(g_t)) S: row c of the state decays by channel c
                 decay = [sympy.exp(rec.log_decay.subs(self.values_at(t, c), simultaneous=True)) for c in range(self.K)]
                 S = sympy.diag(*decay) * S
@@ -120,6 +125,9 @@ class SymbolicChunk:
             if rec.has_beta:
                 u = rec.beta.subs(values, simultaneous=True) * u
             S = S + self.k[t, :].T * u
+            if rec.has_low_rank:  # + b_t (a_t^T S_{t-1})
+                a, b = (self.vector_at(e, t) for e in (rec.low_rank_read, rec.low_rank_write))
+                S = S + b * (a.T * S_before)
             outputs.append((self.scale * S.T * self.q[t, :].T).T)
         return outputs, S
 

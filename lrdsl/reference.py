@@ -1,4 +1,5 @@
-"""The float64 oracle: any recurrence, token by token, exactly as docs/design.md §1 writes it.
+"""The float64 oracle: any recurrence, token by token, exactly as docs/design.md §1 writes it
+(the dplr update as S_t = D_t S_{t-1} + k_t (beta_t v_t)^T + b_t (a_t^T S_{t-1})).
 
 It is the reference of every numeric test, so it is written to be read, not to be fast: GVA by
 repeating q/k, one Python loop over tokens, one einsum per term. It is differentiable (no
@@ -85,6 +86,9 @@ def run(
         g = g.expand(B, T, HV, K) if per_key else g.expand(B, T, HV)
     if rec.has_beta:
         beta = evaluate_formula(rec.beta, named, roles, HV, per_key=False, device=q.device).to(q.device).expand(B, T, HV)
+    if rec.has_low_rank:  # a_t, b_t: [B, T, HV, K]
+        a = evaluate_formula(rec.low_rank_read, named, roles, HV, True, q.device).to(q.device).expand(B, T, HV, K)
+        b_write = evaluate_formula(rec.low_rank_write, named, roles, HV, True, q.device).to(q.device).expand(B, T, HV, K)
 
     if cu_seqlens is None:
         sequences = [(b, 0, T) for b in range(B)]
@@ -99,6 +103,7 @@ def run(
         else:
             S = torch.zeros(HV, K, V, dtype=torch.float64, device=q.device)
         for t in range(bos, eos):
+            S_before = S
             if rec.gate is GateKind.KEY_CHANNEL:
                 S = torch.exp(g[b, t])[:, :, None] * S  # Diag(exp(g_t)) S
             elif rec.has_gate:
@@ -111,6 +116,9 @@ def run(
             if rec.has_beta:
                 u = beta[b, t][:, None] * u
             S = S + torch.einsum("hk,hv->hkv", k[b, t], u)  # S_t = S' + k_t u_t^T
+            if rec.has_low_rank:  # + b_t (a_t^T S_{t-1}): the state before this step's decay
+                read = torch.einsum("hkv,hk->hv", S_before, a[b, t])
+                S = S + torch.einsum("hk,hv->hkv", b_write[b, t], read)
             outputs.append(scale * torch.einsum("hkv,hk->hv", S, q[b, t]))  # o_t = scale S_t^T q_t
         finals.append(S)
 

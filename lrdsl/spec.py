@@ -18,7 +18,7 @@ from .ir.recurrence import GateKind, InputRole, UpdateRule
 
 TOP_LEVEL_KEYS = ("name", "summary", "recurrence", "inputs", "formulas")
 RECURRENCE_KEYS = ("update", "gate")
-FORMULA_KEYS = ("log_decay", "beta")
+FORMULA_KEYS = ("log_decay", "beta", "low_rank_read", "low_rank_write")
 
 # Spellings users reach for, mapped to the canonical values.
 GATE_ALIASES = {
@@ -36,6 +36,8 @@ UPDATE_ALIASES = {
     "delta_rule": UpdateRule.DELTA,
     "plain": UpdateRule.PLAIN,
     "additive": UpdateRule.PLAIN,
+    "dplr": UpdateRule.DPLR,
+    "diagonal_plus_low_rank": UpdateRule.DPLR,
 }
 ROLE_ALIASES = {
     "token": InputRole.TOKEN,
@@ -47,7 +49,7 @@ ROLE_ALIASES = {
 
 @dataclass(frozen=True)
 class SpecFormula:
-    key: str  # "log_decay" or "beta"
+    key: str  # one of FORMULA_KEYS
     text: str
     expr: object  # sympy.Expr
 

@@ -43,6 +43,9 @@ def make_inputs(
     Keys are unit-normalised for delta rules (unless told otherwise) so the recurrence stays
     stable without in-kernel L2 norm. An input that *is* the log-decay (formula `g`) is drawn in
     [gate_low, 0]; one that *is* beta in (0, 1); inputs of other formulas are standard normal.
+    A dplr update whose low-rank vectors are inputs themselves gets them as RWKV-7 forms them,
+    a = -eta u and b = u for a unit vector u and eta in (0, 1), so that I + b a^T contracts
+    (independent normal vectors would grow the state token by token).
     """
     B, T, H, HV, K, V = shape.B, shape.T, shape.H, shape.HV, shape.K, shape.V
 
@@ -60,6 +63,8 @@ def make_inputs(
         k = F.normalize(k, dim=-1)
     v = randn(B, T, HV, V)
     sizes = {"B": B, "T": T, "HV": HV, "K": K}
+    pair = _low_rank_pair(rec)
+    direction = F.normalize(randn(B, T, HV, K), dim=-1) if pair else None
     extras = []
     for inp in rec.inputs:
         size = [sizes[d] for d in inp.role.shape]
@@ -68,6 +73,10 @@ def make_inputs(
             x = gate_low * rand(*size)
         elif rec.beta == symbol:
             x = rand(*size)
+        elif pair and inp.name == pair[0]:  # a = -eta u
+            x = -rand(B, T, HV, 1) * direction
+        elif pair and inp.name == pair[1]:  # b = u
+            x = direction.clone()
         else:
             x = randn(*size)
         extras.append(x)
@@ -76,6 +85,14 @@ def make_inputs(
     tensors += [x if inp.role in (InputRole.HEAD, InputRole.HEAD_KEY) or inp.name in _gate_names(rec) else x.to(dtype)
                 for inp, x in zip(rec.inputs, extras)]
     return [t.to(device) for t in tensors]
+
+
+def _low_rank_pair(rec: Recurrence) -> tuple[str, str] | None:
+    """(a, b) input names when the dplr vectors are per-token inputs themselves, else None."""
+    names = [str(e) for e in (rec.low_rank_read, rec.low_rank_write) if isinstance(e, sympy.Symbol)]
+    if len(names) != 2 or any(rec.input(n).role is not InputRole.TOKEN_KEY for n in names):
+        return None
+    return names[0], names[1]
 
 
 def _gate_names(rec: Recurrence) -> set[str]:

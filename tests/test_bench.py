@@ -31,14 +31,14 @@ TINY_DECODE = Shape(2, 1, 1, 2, 16, 16)
 
 
 class FakeFla:
-    """Modules fla.ops.{gated_delta_rule, delta_rule, simple_gla, kda, gla}, with fla-core's
+    """Modules fla.ops.{gated_delta_rule, delta_rule, simple_gla, kda, gla, rwkv7}, with fla-core's
     parameter names; `calls` records (function, positional args, keyword args) of every call."""
 
     def __init__(self):
         self.calls = []
         record = self._record
         gdn, deltanet, simple_gla = recurrence("gdn"), recurrence("deltanet"), recurrence("simple_gla")
-        kda, gla = recurrence("kda"), recurrence("gla")
+        kda, gla, rwkv7 = recurrence("kda"), recurrence("gla"), recurrence("rwkv7")
 
         def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -103,6 +103,17 @@ class FakeFla:
                 raise ValueError("this fake has no value-channel gate (gv)")
             return _as_fla(gla, q, k, v, [gk], scale, initial_state, output_final_state, False)
 
+        def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                        cu_seqlens_cpu=None, safe_gate=False, chunk_size=None, disable_recompute=False,
+                        cp_context=None, lower_bound=None, **kwargs):
+            record("chunk_rwkv7", locals())
+            return _as_fla(rwkv7, r, k, v, [w, a, b], scale, initial_state, output_final_state, False)
+
+        def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None, output_final_state=True,
+                                  cu_seqlens=None, **kwargs):
+            record("fused_recurrent_rwkv7", locals())
+            return _as_fla(rwkv7, r, k, v, [w, a, b], scale, initial_state, output_final_state, False)
+
         self.modules = {}
         for package, functions in {
             "fla.ops.gated_delta_rule": (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule),
@@ -110,6 +121,7 @@ class FakeFla:
             "fla.ops.simple_gla": (chunk_simple_gla, fused_recurrent_simple_gla),
             "fla.ops.kda": (chunk_kda, fused_recurrent_kda),
             "fla.ops.gla": (chunk_gla, fused_recurrent_gla),
+            "fla.ops.rwkv7": (chunk_rwkv7, fused_recurrent_rwkv7),
         }.items():
             fake = types.ModuleType(package)
             for function in functions:
@@ -147,7 +159,7 @@ def tiny_call(rec, shape, generator, l2norm=True, dtype=torch.float32):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "kda", "gla"])
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "kda", "gla", "rwkv7"])
 @pytest.mark.parametrize("decode", [False, True], ids=["chunk", "recurrent"])
 def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decode, fake_fla, generator):
     rec = recurrence(name)
@@ -155,7 +167,7 @@ def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decod
     fla_chunk, fla_recurrent = bench.resolve_fla(baseline, fake_fla.importer)
     function, fla_function = (baseline.recurrent, fla_recurrent) if decode else (baseline.chunk, fla_chunk)
     l2norm = function.l2norm
-    assert l2norm == (name not in ("simple_gla", "gla"))  # fla-core's (simple) GLA has no in-kernel L2 norm
+    assert l2norm == (name not in ("simple_gla", "gla", "rwkv7"))  # FLA's (simple) GLA, RWKV-7: no in-kernel L2 norm
     contender = bench.fla_contender(rec, function, fla_function, l2norm, fake_fla.importer)
     assert contender.problem is None
     call = tiny_call(rec, TINY_DECODE if decode else TINY_TRAINING, generator, l2norm)
@@ -165,10 +177,12 @@ def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decod
     (called, arguments), = fake_fla.calls
     assert called == function.name
     q, k, v, *extras = call.tensors
-    assert arguments["q"] is q and arguments["k"] is k and arguments["v"] is v
+    query = "r" if name == "rwkv7" else "q"  # RWKV-7's functions call q r
+    assert arguments[query] is q and arguments["k"] is k and arguments["v"] is v
     by_role = {bench.input_role(rec, i.name): x for i, x in zip(rec.inputs, extras)}
-    # fused_recurrent_gla names its key-channel gate gk
-    expected_parameter = {"gate": "gk" if called == "fused_recurrent_gla" else "g", "beta": "beta"}
+    # fused_recurrent_gla names its key-channel gate gk; RWKV-7's are w, and a, b for its low rank
+    expected_parameter = {"gate": "gk" if called == "fused_recurrent_gla" else "w" if name == "rwkv7" else "g",
+                          "beta": "beta", "read": "a", "write": "b"}
     for role, tensor in by_role.items():
         assert arguments[expected_parameter[role]] is tensor, f"{role} not passed as {expected_parameter[role]}"
     if "gk" in arguments and called != "fused_recurrent_gla":  # beta must not land in gk (5th parameter)
@@ -528,7 +542,7 @@ def test_all_picks_every_spec_with_an_fla_counterpart(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     args = cli.build_parser().parse_args(["bench", "--all"])
     assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/gla.toml", "specs/kda.toml",
-                                           "specs/simple_gla.toml"]
+                                           "specs/rwkv7.toml", "specs/simple_gla.toml"]
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LrdslError, match="no spec in ./specs has an FLA counterpart"):
         cli._bench_spec_paths(args)

@@ -38,6 +38,25 @@ def test_gdn_chunk_golden_dumps(stage, golden):
     golden(f"gdn.{stage}.txt", text)
 
 
+def test_dplr_update_solves_for_its_two_vector_sets():
+    """rwkv7: the low-rank term's system T = (I - A_ab)^-1 over a and b, products of an exclusive
+    row decay with the inclusive column decay (the term reads the state before the step's
+    decay), the output's and exit state's products over both writes (k v^T and b u^T)."""
+    prog = program("rwkv7")
+    grams = {op.out: op for op in prog.ops if isinstance(op, DecayedGram)}
+    assert {(g.a, g.b, g.x, g.column_decay, g.inclusive) for g in grams.values()} == {
+        ("a_masked", "b_masked", "G_excl", "G", False), ("a_masked", "k", "G_excl", "G", False),
+        ("q", "k", "G", "G", True), ("q", "b_masked", "G", "G", True)}
+    assert sum(isinstance(op, UnitLowerInverse) for op in prog.ops) == 1
+    assert prog.shape("U") == ("C", "V") and prog.shape("W") == ("C", "K")
+
+
+def test_verify_catches_two_decays_of_different_gates():
+    prog = program("rwkv7")
+    with pytest.raises(IRError, match="two decays must be the exclusive and inclusive cumulative sums"):
+        verify(_replace_op(prog, "ABt_decayed", x="G", y="G"))
+
+
 def test_stages_follow_the_spec_not_its_name():
     ops = {name: {type(op) for op in program(name).ops} for name in CHUNKED_SPECS}
     assert UnitLowerInverse in ops["gdn"] and UnitLowerInverse in ops["deltanet"]
@@ -244,18 +263,26 @@ BETAS = {  # beta -> (inputs, formula): absent, per token in (0, 2), one per hea
 }
 
 
+# dplr's low-rank vectors: bounded formulas of their own inputs (|a| small enough that I + b a^T
+# stays near a contraction over the test's tokens), of every role a K-vector can be formed from:
+# per token and key channel, per token (spread over the channels), per head and key channel
+LOW_RANK = ({"la": "token_key", "ls": "token", "lb": "head_key"},
+            {"low_rank_read": "-0.2 * tanh(la) * sigmoid(ls)", "low_rank_write": "tanh(lb)"})
+COMBINATIONS = [(u, g, b) for u in ("delta", "plain") for g in sorted(GATES) for b in sorted(BETAS)]
+COMBINATIONS += [("dplr", "key_channel", b) for b in sorted(BETAS)]  # dplr decays per key channel
+
+
 def combination_spec(update: str, gate: str, beta: str) -> str:
-    inputs = {**GATES[gate][0], **BETAS[beta][0]}
-    formulas = {"log_decay": GATES[gate][1], "beta": BETAS[beta][1]}
+    low_rank = LOW_RANK if update == "dplr" else ({}, {})
+    inputs = {**GATES[gate][0], **BETAS[beta][0], **low_rank[0]}
+    formulas = {"log_decay": GATES[gate][1], "beta": BETAS[beta][1], **low_rank[1]}
     lines = ['name = "combo"', "[recurrence]", f'update = "{update}"', f'gate = "{gate}"', "[inputs]"]
     lines += [f'{name} = "{role}"' for name, role in inputs.items()]
     lines += ["[formulas]"] + [f'{key} = "{text}"' for key, text in formulas.items() if text is not None]
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.parametrize("beta", sorted(BETAS))
-@pytest.mark.parametrize("gate", sorted(GATES))
-@pytest.mark.parametrize("update", ["delta", "plain"])
+@pytest.mark.parametrize("update, gate, beta", COMBINATIONS)
 def test_every_combination_lowers(update, gate, beta, tmp_path, generator):
     """Each update x gate x beta the spec language accepts: every pass verifies, the module is
     emitted (chunk and recurrent, both differentiable), and the derived chunk form equals the
@@ -293,3 +320,22 @@ def test_a_recurrence_without_chunk_form_is_refused_at_compile_time():
     with pytest.raises(CompileError) as info:
         emit_module(stages, spec_path="specs/gla.toml")
     assert str(info.value) == "specs/gla.toml: cannot compile no chunk form for gla: an update the passes do not chunk"
+
+
+def test_a_backward_larger_than_any_measured_chunk_size_is_refused_at_compile_time(monkeypatch):
+    """The largest chunk size is read off the backward's output kernel (how many per-key-channel
+    decayed products it holds); a program beyond every measured row gets one line, not a module
+    whose kernels might not fit a GPU block. Here the table lacks rwkv7's row."""
+    from lrdsl.codegen import chunk as chunk_codegen
+    from lrdsl.codegen.module import emit_module
+    from lrdsl.errors import CompileError
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec
+
+    from helpers import spec_path
+
+    monkeypatch.setattr(chunk_codegen, "LARGEST_CHUNK_SIZES", chunk_codegen.LARGEST_CHUNK_SIZES[:-1])
+    with pytest.raises(CompileError) as info:
+        emit_module(run_pipeline(load_spec(spec_path("rwkv7"))), spec_path="specs/rwkv7.toml")
+    assert str(info.value) == ("rwkv7: the backward's output kernel computes 10 per-key-channel decayed products, more "
+                               "than any chunk size was measured to fit (python -m lrdsl.resources)")

@@ -17,7 +17,9 @@ from helpers import ALL_SPECS, module, recurrence, sample
 
 pytestmark = pytest.mark.gpu
 
-CHUNKED = [n for n in ALL_SPECS if hasattr(module(n), "chunk")] if torch.cuda.is_available() else []
+CHUNKED = list(ALL_SPECS) if torch.cuda.is_available() else []
+# every chunk size each spec takes at K = 128 (largest_chunk_size: rwkv7 takes at most 32)
+CHUNK_CONFIGS = [(n, c) for n in CHUNKED for c in (16, 32, 64) if c <= module(n).largest_chunk_size(128)]
 DENSE = dict(shape=Shape(2, 777, 2, 4, 128, 128))
 VARLEN = dict(shape=Shape(1, 1500, 4, 8, 128, 96), bounds=[0, 0, 1, 700, 701, 1500])
 GRAD_DENSE = dict(shape=Shape(2, 257, 2, 4, 128, 128))
@@ -72,9 +74,8 @@ def _gradients(name, case, generator, kernel="chunk", per_head_checked=True, **o
     assert all(e <= LIMIT for e in checked.values()), errors
 
 
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])
 @pytest.mark.parametrize("plan", ["fused", "split"])
-@pytest.mark.parametrize("name", CHUNKED)
+@pytest.mark.parametrize("name, chunk_size", CHUNK_CONFIGS)
 def test_gpu_chunk_bf16(name, plan, chunk_size, generator):
     _forward(name, "chunk", DENSE, generator, plan=plan, chunk_size=chunk_size)
     _forward(name, "chunk", VARLEN, generator, plan=plan, chunk_size=chunk_size)
@@ -86,9 +87,8 @@ def test_gpu_recurrent_bf16(name, generator):
     _forward(name, "recurrent", VARLEN, generator)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])
 @pytest.mark.parametrize("plan", ["fused", "split"])
-@pytest.mark.parametrize("name", CHUNKED)
+@pytest.mark.parametrize("name, chunk_size", CHUNK_CONFIGS)
 def test_gpu_chunk_gradients_bf16(name, plan, chunk_size, generator):
     """Default precision (matmul operands in bf16). Gradients of per-head parameters (A_log,
     dt_bias) are sums over every token whose bf16 rounding partly cancels: measured up to ~1e-2
@@ -118,17 +118,16 @@ def test_gpu_save_policies(save_policy, generator):
 
 
 @pytest.mark.parametrize("K, V", [(256, 256), (200, 136)])
-@pytest.mark.parametrize("name", ["gdn", "simple_gla", "kda", "gla"])
+@pytest.mark.parametrize("name", ["gdn", "simple_gla", "kda", "gla", "rwkv7"])
 def test_gpu_large_and_odd_head_dims(name, K, V, generator):
-    """K > 128 at each module's default chunk size (largest_chunk_size: 32 for kda there)."""
+    """K > 128 at each module's default chunk size (largest_chunk_size: 32 for kda, rwkv7 there)."""
     case = dict(shape=Shape(1, 300, 1, 2, K, V))
     _forward(name, "chunk", case, generator)
     _gradients(name, case, generator)
 
 
 @pytest.mark.parametrize("gate", [0.0, -30.0, "half"])
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])
-@pytest.mark.parametrize("name", ["kda", "gla"])
+@pytest.mark.parametrize("name, chunk_size", [c for c in CHUNK_CONFIGS if c[0] in ("kda", "gla", "rwkv7")])
 def test_gpu_key_channel_gate_extremes(name, chunk_size, gate, generator):
     """Per-channel decay at g = 0, -30 per step and half of each, at real sizes in bf16: outputs,
     final state and every gradient finite and within tolerance, in every chunk size."""

@@ -141,10 +141,10 @@ def test_tf32_chunk_size_default_and_limit(device):
 
 @pytest.mark.parametrize("name", ["kda", "kda_fused_gate", "kda_neg_eigval"])
 def test_key_channel_delta_chunk_size_follows_key_width(name, generator, device):
-    """A triangular system beside per-key-channel decayed products: at K > 128 the backward's
-    output kernel does not fit an sm_90 block at C = 64, so chunk() defaults to 32 there and
-    refuses 64 in one line; at K <= 128 it keeps 64. The rule comes from the chunk program (which
-    ops it holds), not the spec's name."""
+    """The delta rule's backward with per-key-channel decayed products (5 in its output kernel):
+    at K > 128 that kernel does not fit an sm_90 block at C = 64, so chunk() defaults to 32 there
+    and refuses 64 in one line; at K <= 128 it keeps 64. The rule comes from the backward program
+    (how many decayed products its output kernel computes), not the spec's name."""
     from lrdsl import reference
     from lrdsl.workloads import relative_error
 
@@ -164,6 +164,22 @@ def test_key_channel_delta_chunk_size_follows_key_width(name, generator, device)
 
 
 @pytest.mark.parametrize("name", ["gdn", "gla"])
-def test_chunk_size_without_system_and_per_channel_products_keeps_64_at_wide_keys(name):
+def test_chunk_size_with_few_decayed_products_keeps_64_at_wide_keys(name):
     mod = module(name)
     assert mod.largest_chunk_size(256) == 64 and mod.largest_chunk_size(256, "tf32") == 32
+
+
+def test_dplr_chunk_size(generator, device):
+    """rwkv7's backward output kernel computes 10 decayed products: 434,176 bytes at C = 64,
+    K = 128, so 32 (16 with tf32) at every K, and 64 is refused in one line; with tf32 at K > 128
+    not even 16 fits (235,520 bytes at K = 256), so that precision is refused there."""
+    mod, rec = module("rwkv7"), recurrence("rwkv7")
+    assert [mod.largest_chunk_size(K, p) for K in (64, 256) for p in ("input", "tf32")] == [32, 16, 32, None]
+    tensors = [t.to(device) for t in make_inputs(rec, Shape(1, 5, 1, 1, 8, 8), generator=generator)]
+    with pytest.raises(mod.InputError, match=r"^rwkv7.chunk: chunk_size=64 with precision='input' and K=8 needs more "
+                                             r"shared memory than a GPU block has: use chunk_size <= 32$"):
+        mod.chunk(*tensors, chunk_size=64)
+    wide = [t.to(device) for t in make_inputs(rec, Shape(1, 5, 1, 1, 200, 8), generator=generator)]
+    with pytest.raises(mod.InputError, match=r"^rwkv7.chunk: precision='tf32' with K=200 needs more shared memory than "
+                                             r"a GPU block has at every chunk size: use precision='input' or K <= 128$"):
+        mod.chunk(*wide, precision="tf32")

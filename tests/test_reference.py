@@ -58,6 +58,9 @@ def plain_loop(name, q, k, v, *extra, scale, h0=None, bounds=None, l2norm=False)
                     S = S + beta * torch.outer(kt, vt - S.T @ kt)
                 elif name == "gla":
                     S = torch.exp(extra[0][b, t, hv])[:, None] * S + torch.outer(kt, vt)
+                elif name == "rwkv7":  # FLA's definition: S_t = (Diag(exp(w_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T
+                    w, a, bb = extra[0][b, t, hv], extra[1][b, t, hv], extra[2][b, t, hv]
+                    S = (torch.diag(torch.exp(w)) + torch.outer(bb, a)) @ S + torch.outer(kt, vt)
                 else:
                     raise AssertionError(name)
                 o[b, t, hv] = scale * (S.T @ qt)
@@ -65,7 +68,8 @@ def plain_loop(name, q, k, v, *extra, scale, h0=None, bounds=None, l2norm=False)
     return o, finals
 
 
-@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "linear_attn", "gdn_qwen35", "retnet", "kda", "gla"])
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "linear_attn", "gdn_qwen35", "retnet", "kda", "gla",
+                                  "rwkv7"])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_oracle_matches_plain_loop(name, varlen, generator):
     rec = recurrence(name)
@@ -101,3 +105,44 @@ def test_oracle_is_differentiable(generator):
     o.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in tensors)
 
+
+# The gated delta rule as a dplr update (docs/design.md §1): b_t = k_t, a_t = -beta_t exp(g_t) k_t
+# and the write beta_t k_t v_t^T. The key enters as an input of its own (formulas cannot read k).
+KDA_AS_DPLR = """\
+name = "kda_as_dplr"
+[recurrence]
+update = "dplr"
+gate = "key_channel"
+[inputs]
+g = "token_key"
+beta = "token"
+kk = "token_key"
+[formulas]
+log_decay = "g"
+beta = "beta"
+low_rank_read = "-beta * exp(g) * kk"
+low_rank_write = "kk"
+"""
+
+
+@pytest.mark.parametrize("name", ["kda", "gdn"])
+def test_the_delta_rule_is_a_dplr_update(name, tmp_path, generator):
+    """kda, and gdn (its one decay per token spread over the key channels), as the dplr update
+    b_t = k_t, a_t = -beta_t exp(g_t) k_t: the oracle gives the delta rule's numbers."""
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec
+
+    path = tmp_path / "kda_as_dplr.toml"
+    path.write_text(KDA_AS_DPLR)
+    dplr = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
+    delta = recurrence(name)
+    K = 5
+    q, k, v, g, beta = sample(delta, Shape(1, 11, 1, 2, K, 3), torch.float32, generator)
+    per_channel = g if g.dim() == 4 else g[..., None].expand(-1, -1, -1, K)
+    keys = k.repeat_interleave(2, dim=2)  # per value head, as a token_key input
+    h0 = torch.randn(1, 2, K, 3, generator=generator)
+    kwargs = dict(initial_state=h0, output_final_state=True)
+    o, ht = reference.run(dplr, q, k, v, per_channel, beta, keys, **kwargs)
+    o_delta, ht_delta = reference.run(delta, q, k, v, g, beta, **kwargs)
+    torch.testing.assert_close(o, o_delta, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_delta, rtol=1e-10, atol=1e-10)

@@ -207,3 +207,50 @@ def test_unused_input():
 def test_inputs_keep_declaration_order(tmp_path):
     rec = canonicalize(load_spec(spec_path("gdn_qwen35")))
     assert [i.name for i in rec.inputs] == ["a", "b", "A_log", "dt_bias"]
+
+
+DPLR = """\
+name = "mixer"
+
+[recurrence]
+update = "dplr"
+gate = "key_channel"
+
+[inputs]
+w = "token_key"
+a = "token_key"
+b = "token_key"
+
+[formulas]
+log_decay = "w"
+low_rank_read = "a"
+low_rank_write = "b"
+"""
+
+
+def test_dplr_spec_compiles():
+    rec = compile_text(DPLR)
+    assert rec.update is UpdateRule.DPLR and rec.has_low_rank and not rec.is_delta
+    assert (str(rec.low_rank_read), str(rec.low_rank_write)) == ("a", "b")
+
+
+def test_dplr_without_a_low_rank_vector():
+    message = error_of(DPLR.replace('low_rank_write = "b"\n', "").replace('b = "token_key"\n', ""))
+    assert "mixer.toml:4:" in message and "recurrence.update: update = 'dplr' needs formulas.low_rank_write" in message
+
+
+def test_low_rank_vector_without_dplr():
+    message = error_of(DPLR.replace('update = "dplr"', 'update = "plain"'))
+    assert "mixer.toml:14:" in message
+    assert "formulas.low_rank_read: given, but update = 'plain' has no low-rank term (that is update = 'dplr')" in message
+
+
+def test_dplr_low_rank_vector_must_be_per_key_channel():
+    message = error_of(DPLR.replace('b = "token_key"', 'b = "token"'))
+    assert "formulas.low_rank_write: is a vector per key channel, but the formula reads no token_key/head_key input" in message
+
+
+def test_dplr_needs_a_key_channel_gate():
+    text = DPLR.replace('gate = "key_channel"', 'gate = "scalar"').replace('w = "token_key"', 'w = "token"')
+    message = error_of(text)
+    assert "mixer.toml:5:" in message and "recurrence.gate: update = 'dplr' takes gate = 'key_channel'" in message

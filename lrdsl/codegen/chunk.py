@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CompileError
 from ..ir.chunk import (
+    Band,
     COTANGENT,
     SAVED,
     Broadcast,
@@ -270,13 +271,13 @@ def _decay(op: DecayMatrix, ctx: KernelContext) -> list[str]:
 
 @CHUNK_EMITTERS.register(DecayedGram)
 def _decayed_gram(op: DecayedGram, ctx: KernelContext) -> list[str]:
-    args = f"{var(op.a)}, {var(op.b)}, {var(op.x)}, {op.inclusive}"
+    args = f"{var(op.a)}, {var(op.b)}, {var(op.x)}, {var(op.column_decay)}, {op.inclusive}, {op.y is not None}"
     return [f"{var(op.out)} = decayed_gram({args}, BT, DOT_DTYPE, DOT_PRECISION)"]
 
 
 @CHUNK_EMITTERS.register(DecayedMatMul)
 def _decayed_matmul(op: DecayedMatMul, ctx: KernelContext) -> list[str]:
-    args = f"{var(op.m)}, {var(op.b)}, {var(op.x)}, {op.transpose}"
+    args = f"{var(op.m)}, {var(op.b)}, {var(op.x)}, {var(op.column_decay)}, {op.transpose}"
     return [f"{var(op.out)} = decayed_matmul({args}, BT, DOT_DTYPE, DOT_PRECISION)"]
 
 
@@ -291,62 +292,71 @@ KEY_CHANNEL_OPS = (DecayedGram, DecayedMatMul)  # the ops that call the helpers 
 # exp2(x_i) * exp2(-x_j) over the whole chunk it overflows (g = -30 per step is -43 in log2 units
 # per row). Instead every pair i > j is split at a row r between them, inside a block of rows that
 # holds both: exp2(x_i - x_r) * exp2(x_r - x_j), each factor at most 1, so nothing overflows and a
-# factor that underflows to 0 belongs to a product that is below fp32's range anyway. Blocks of
+# factor that underflows to 0 belongs to a product that is below fp32's range anyway. (The dplr
+# update's products pair an exclusive row decay x with an inclusive column decay y: the same split
+# with y at the row r.) Blocks of
 # 2, 4, ..., C rows, split in their middle, cover every pair exactly once: log2(C) tensor-core
 # products per decayed product, plus the diagonal (exp2(0) = 1) where it is included.
 KEY_CHANNEL_HELPERS = '''\
 @triton.jit
-def decay_split(x, S: tl.constexpr, BT: tl.constexpr, R: tl.constexpr):
+def decay_split(x, y, S: tl.constexpr, BT: tl.constexpr, R: tl.constexpr):
     """One level of the per-channel decay split: blocks of 2S rows split at their row r = R
     (S: the second half's first row; S - 1: the first half's last row; either lies between the
     rows of every pair the level covers).
 
-    Returns up = exp2(x_i - x_r) on rows i of a block's second half (else 0), down = exp2(x_r - x_j)
+    Returns up = exp2(x_i - y_r) on rows i of a block's second half (else 0), down = exp2(y_r - y_j)
     on rows j of its first half (else 0), and pairs[i, j]: i in the second half and j in the first
-    half of the same block. x does not increase down the rows, so both factors are at most 1."""
+    half of the same block. y does not increase down the rows, and x is y (R either row) or the
+    exclusive decay beside an inclusive y (x_i = y_(i-1); R = S - 1), so both factors are at most 1."""
     BK: tl.constexpr = x.shape[1]
-    blocks = tl.reshape(x, (BT // (2 * S), 2 * S, BK))
+    blocks = tl.reshape(y, (BT // (2 * S), 2 * S, BK))
     middle = (tl.arange(0, 2 * S) == R)[None, :, None]
-    x_mid = tl.sum(tl.where(middle, blocks, 0.0), axis=1)  # one row per block, exactly
-    x_mid = tl.reshape(tl.broadcast_to(x_mid[:, None, :], (BT // (2 * S), 2 * S, BK)), (BT, BK))
+    y_mid = tl.sum(tl.where(middle, blocks, 0.0), axis=1)  # one row per block, exactly
+    y_mid = tl.reshape(tl.broadcast_to(y_mid[:, None, :], (BT // (2 * S), 2 * S, BK)), (BT, BK))
     o_c = tl.arange(0, BT)
     second = (o_c // S) % 2 == 1
     first = (o_c // S) % 2 == 0
-    up = tl.exp2(tl.where(second[:, None], x - x_mid, float("-inf")))
-    down = tl.exp2(tl.where(first[:, None], x_mid - x, float("-inf")))
+    up = tl.exp2(tl.where(second[:, None], x - y_mid, float("-inf")))
+    down = tl.exp2(tl.where(first[:, None], y_mid - y, float("-inf")))
     pairs = (o_c[:, None] // (2 * S) == o_c[None, :] // (2 * S)) & second[:, None] & first[None, :]
     return up, down, pairs
 
 
 @triton.jit
-def decayed_gram(a, b, x, INCLUSIVE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """BT x BT: sum_c a_ic b_jc exp2(x_ic - x_jc) where i > j (i >= j if INCLUSIVE), else 0."""
+def decayed_gram(a, b, x, y, INCLUSIVE: tl.constexpr, TWO_DECAYS: tl.constexpr, BT: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """BT x BT: sum_c a_ic b_jc exp2(x_ic - y_jc) where i > j (i >= j if INCLUSIVE, where y is x),
+    else 0. With one decay (y is x) it splits at the second half's first row; with two (x the
+    exclusive decay) at the first half's last row, the only row between every pair then."""
     o_c = tl.arange(0, BT)
     m = tl.zeros((BT, BT), dtype=x.dtype)
     if INCLUSIVE:  # the diagonal decays by exp2(0) = 1
         m += tl.where(o_c[:, None] == o_c[None, :], tl.sum(a * b, axis=1)[:, None], 0.0)
     for level in tl.static_range(7):  # blocks of 2S rows, S = 1, 2, 4, ... < BT
         if (1 << level) < BT:
-            up, down, pairs = decay_split(x, 1 << level, BT, 1 << level)
+            if TWO_DECAYS:
+                up, down, pairs = decay_split(x, y, 1 << level, BT, (1 << level) - 1)
+            else:
+                up, down, pairs = decay_split(x, y, 1 << level, BT, 1 << level)
             part = tl.dot((a * up).to(DOT_DTYPE), tl.trans((b * down).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
             m += tl.where(pairs, part, 0.0)
     return m
 
 
 @triton.jit
-def decayed_matmul(m, b, x, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+def decayed_matmul(m, b, x, y, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    """BT x BK: sum_{j < i} m_ij b_jc exp2(x_ic - x_jc), or with TRANSPOSE
-    sum_{j > i} m_ji b_jc exp2(x_jc - x_ic).
+    """BT x BK: sum_{j < i} m_ij b_jc exp2(x_ic - y_jc), or with TRANSPOSE
+    sum_{j > i} m_ji b_jc exp2(x_jc - y_ic).
 
-    It splits at the row before decayed_gram's: with the same split, the compiler would share
-    the product's operand tiles with a decayed_gram of the same inputs earlier in the kernel and
-    keep them in shared memory until here (a backward kernel then asked for 320 KB)."""
+    It splits at the first half's last row: with one decay that is the row before decayed_gram's,
+    and with the same split the compiler would share the product's operand tiles with a
+    decayed_gram of the same inputs earlier in the kernel and keep them in shared memory until
+    here (a backward kernel then asked for 320 KB)."""
     out = tl.zeros((BT, x.shape[1]), dtype=x.dtype)
     for level in tl.static_range(7):
         if (1 << level) < BT:
-            up, down, pairs = decay_split(x, 1 << level, BT, (1 << level) - 1)
+            up, down, pairs = decay_split(x, y, 1 << level, BT, (1 << level) - 1)
             block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
             if TRANSPOSE:
                 out += down * tl.dot(tl.trans(block), (b * up).to(DOT_DTYPE), input_precision=DOT_PRECISION)
@@ -358,6 +368,13 @@ def decayed_matmul(m, b, x, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE
 
 def uses_key_channel_helpers(*programs: ChunkProgram) -> bool:
     return any(isinstance(op, KEY_CHANNEL_OPS) for prog in programs for op in prog.ops)
+
+
+@CHUNK_EMITTERS.register(Band)
+def _band(op: Band, ctx: KernelContext) -> list[str]:
+    gap = "(o_c[:, None] - o_c[None, :])"
+    keep = f"({gap} >= {op.lo})" + (f" & ({gap} <= {op.hi})" if op.hi is not None else "")
+    return [f"{var(op.out)} = tl.where({keep}, {var(op.x)}, 0.0)"]
 
 
 @CHUNK_EMITTERS.register(Mask)
@@ -664,22 +681,36 @@ CHUNK_LAUNCH = {
 CHUNK_LAUNCH_WIDE_K = {"bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
 CHUNK_LAUNCH_FP32 = {"bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
 # The largest chunk size whose kernels fit an sm_90 block's shared memory (232,448 bytes), by
-# (precision, K > 128). `python -m lrdsl.resources` measures the backward's output kernel, the
-# largest, at C = 64: fp32 operands ("tf32") take 262,144 bytes for gdn, over, so that precision
-# takes C <= 32 everywhere. A triangular system (the delta rule) together with per-key-channel
-# decayed products holds the most tiles: kda's needs 155,648 bytes at K = 128 but 303,104 at
-# K = 256 (over; 40,960 at C = 32), while gla (no system) needs 98,304 at K = 256.
-LARGEST_CHUNK_SIZE = {("input", False): 64, ("input", True): 64, ("tf32", False): 32, ("tf32", True): 32}
-LARGEST_CHUNK_SIZE_SYSTEM_PER_CHANNEL = {("input", False): 64, ("input", True): 32, ("tf32", False): 32, ("tf32", True): 32}
+# (precision, K > 128), after how many per-key-channel decayed products (DecayedGram,
+# DecayedMatMul: each holds C x K operand tiles) the backward's output kernel, the largest
+# kernel, computes. Measured with `python -m lrdsl.resources` on that kernel (bytes):
+#   0 (gdn, scalar gates)   C = 64: 165,888 (K = 128); fp32 operands ("tf32") 262,144, over, so
+#                           tf32 takes C <= 32 everywhere (gdn at K = 256: 163,840)
+#   3 (gla)                 C = 64, K = 256: 98,304
+#   5 (kda and variants)    C = 64: 155,648 at K = 128, 303,104 at K = 256 (over; 40,960 at C = 32);
+#                           tf32 C = 32: 69,632 / 118,784
+#   10 (rwkv7, dplr)        C = 64, K = 128: 434,176 (over; 135,168 at C = 32, 212,992 at K = 256);
+#                           tf32 C = 32, K = 128: 282,624 (over; 129,024 at C = 16); tf32 at K = 256
+#                           235,520 even at C = 16: no chunk size fits (None), chunk() refuses it
+# A program with more decayed products than measured here is refused at compile time.
+LARGEST_CHUNK_SIZES = (  # (at most this many decayed products, {(precision, K > 128): chunk size or None})
+    (3, {("input", False): 64, ("input", True): 64, ("tf32", False): 32, ("tf32", True): 32}),
+    (5, {("input", False): 64, ("input", True): 32, ("tf32", False): 32, ("tf32", True): 32}),
+    (10, {("input", False): 32, ("input", True): 32, ("tf32", False): 16, ("tf32", True): None}),
+)
 
 
-def largest_chunk_sizes(*programs: ChunkProgram) -> dict:
-    """The generated module's LARGEST_CHUNK_SIZE, from what the programs compute (a triangular
-    system beside per-key-channel decayed products), never from the spec's name."""
-    ops = [op for prog in programs for op in prog.ops]
-    if any(isinstance(op, UnitLowerInverse) for op in ops) and uses_key_channel_helpers(*programs):
-        return LARGEST_CHUNK_SIZE_SYSTEM_PER_CHANNEL
-    return LARGEST_CHUNK_SIZE
+def largest_chunk_sizes(item: BackwardPlan) -> dict:
+    """The generated module's LARGEST_CHUNK_SIZE, from what the backward's output kernel computes
+    (how many per-key-channel decayed products), never from the spec's name."""
+    prog = item.backward.graph.program
+    output = next(k for k in item.backward.plans[0].kernels if k.name == "output")
+    products = sum(isinstance(prog.op(value), KEY_CHANNEL_OPS) for value in output.computes)
+    for most, sizes in LARGEST_CHUNK_SIZES:
+        if products <= most:
+            return sizes
+    raise CompileError(f"{prog.recurrence.name}: the backward's output kernel computes {products} per-key-channel "
+                       f"decayed products, more than any chunk size was measured to fit (python -m lrdsl.resources)")
 
 
 # Measured on the H200 (BENCHMARKS.md): 3 stages cut the forward scan at 1 x 65536 with 8 value
@@ -703,13 +734,14 @@ PRESSURE_HEAD_DIM = 128  # the head dimension the estimate assumes (K = V)
 CHUNK_SIZE_CHOICES = (64, 32, 16)
 
 
-def backward_chunk_sizes(backward: ChunkPlans) -> dict[str, int]:
+def backward_chunk_sizes(backward: ChunkPlans, largest_sizes: dict) -> dict[str, int]:
     """Per precision, the largest chunk size at which every backward kernel's live tiles
-    (pressure.peak_tile_bytes) stay within PRESSURE_TOLERANCE x its program's register file."""
+    (pressure.peak_tile_bytes) stay within PRESSURE_TOLERANCE x its program's register file, at
+    most the module's largest (largest_sizes: its LARGEST_CHUNK_SIZE)."""
     prog, plan = backward.graph.program, backward.plans[0]
     sizes = {}
     for precision in ("input", "tf32"):
-        largest = LARGEST_CHUNK_SIZE[precision, False]  # the estimate assumes K = PRESSURE_HEAD_DIM
+        largest = largest_sizes[precision, False]  # the estimate assumes K = PRESSURE_HEAD_DIM
         fits = [c for c in CHUNK_SIZE_CHOICES if c <= largest and _fits_registers(prog, plan, c, precision)]
         sizes[precision] = fits[0] if fits else CHUNK_SIZE_CHOICES[-1]
     return sizes
@@ -843,6 +875,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
     }
     if uses_key_channel_helpers(prog, item.backward.graph.program):
         kernels = {"decayed products": KEY_CHANNEL_HELPERS.rstrip("\n"), **kernels}
+    largest = largest_chunk_sizes(item)
     return render(
         "chunk_api.py.jinja",
         plan_names=[p.name for p in plans.plans],
@@ -854,8 +887,8 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         launch_fp32=repr(CHUNK_LAUNCH_FP32),
         launch_few_programs=repr(CHUNK_LAUNCH_FEW_PROGRAMS),
         launch_small_chunk=repr(CHUNK_LAUNCH_SMALL_CHUNK),
-        largest_chunk_size=repr(largest_chunk_sizes(prog, item.backward.graph.program)),
-        backward_chunk_size=repr(backward_chunk_sizes(item.backward)),
+        largest_chunk_size=repr(largest),
+        backward_chunk_size=repr(backward_chunk_sizes(item.backward, largest)),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p) for p in plans.plans],
         backward=_backward_launcher(item),

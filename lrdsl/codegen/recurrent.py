@@ -19,10 +19,12 @@ from ..ir.step import (
     LoadVector,
     NormalizeL2,
     PredictValue,
+    ReadLowRank,
     ReadOutput,
     ScaleValue,
     StepProgram,
     StoreOutput,
+    WriteLowRank,
     WriteState,
 )
 from ..registry import TypeRegistry
@@ -130,6 +132,16 @@ def _scale_value(op: ScaleValue, prog: StepProgram) -> Emission:
     if op.with_beta:
         return Emission(["# u = beta_t * v", "b_u = beta_t * b_v"])
     return Emission(["# u = v", "b_u = b_v"])
+
+
+@STEP_EMITTERS.register(ReadLowRank)
+def _read_low_rank(op: ReadLowRank, prog: StepProgram) -> Emission:
+    return Emission(["# r = S^T a_t (the state before this step's decay)", "b_r = tl.sum(b_s * a_t[:, None], axis=0)"])
+
+
+@STEP_EMITTERS.register(WriteLowRank)
+def _write_low_rank(op: WriteLowRank, prog: StepProgram) -> Emission:
+    return Emission(["# S <- S + b_t r^T", "b_s += b_t[:, None] * b_r[None, :]"])
 
 
 @STEP_EMITTERS.register(WriteState)

@@ -167,23 +167,30 @@ class DecayMatrix(ChunkOp):
 @dataclass(frozen=True)
 class DecayedGram(ChunkOp):
     """C x C, the key-channel gate's decayed product of two C x K tiles:
-        M_ij = sum_c a_ic b_jc exp2(x_ic - x_jc)   where i > j (i >= j if inclusive), else 0.
-    x is a per-channel cumulative log2-decay (non-increasing down the rows), so every factor
-    exp2(x_ic - x_jc) with i >= j is at most 1. It is never split as exp2(x_i) * exp2(-x_j) over
-    the whole chunk (that overflows at strong decay): kernels split each pair at a row between
-    them, so both factors stay at most 1 (see the emitter)."""
+        M_ij = sum_c a_ic b_jc exp2(x_ic - y_jc)   where i > j (i >= j if inclusive), else 0.
+    x is a per-channel cumulative log2-decay (non-increasing down the rows), and y the same one
+    (None) or, for the dplr update, the inclusive decay beside the exclusive x of the same
+    log-decays (x_i = y_(i-1): the verifier checks both come from one g), so every factor
+    exp2(x_ic - y_jc) with i > j (i >= j when y is x) is at most 1, and exactly 1 for i = j + 1. It is never
+    split as exp2(x_i) * exp2(-y_j) over the whole chunk (that overflows at strong decay): kernels
+    split each pair at a row between them, so both factors stay at most 1 (see the emitter)."""
 
     a: str
     b: str
     x: str
     inclusive: bool
+    y: str | None = None  # the columns' decay; None: x
+
+    @property
+    def column_decay(self) -> str:
+        return self.x if self.y is None else self.y
 
     def args(self):
-        return (self.a, self.b, self.x)
+        return (self.a, self.b, self.x) + (() if self.y is None else (self.y,))
 
     def describe(self):
         where = "i >= j" if self.inclusive else "i > j"
-        return f"sum_c {self.a}_ic {self.b}_jc exp2({self.x}_ic - {self.x}_jc) where {where}, else 0"
+        return f"sum_c {self.a}_ic {self.b}_jc exp2({self.x}_ic - {self.column_decay}_jc) where {where}, else 0"
 
     @property
     def expensive(self):
@@ -193,9 +200,9 @@ class DecayedGram(ChunkOp):
 @dataclass(frozen=True)
 class DecayedMatMul(ChunkOp):
     """C x K, the strict lower triangle of a C x C matrix m (i > j) applied to a C x K tile b
-    under the same per-channel decay as DecayedGram:
-        out_ic = sum_{j < i} m_ij b_jc exp2(x_ic - x_jc)            (transpose = False)
-        out_ic = sum_{j > i} m_ji b_jc exp2(x_jc - x_ic)            (transpose = True)
+    under the same per-channel decay as DecayedGram (rows' decay x, columns' decay y):
+        out_ic = sum_{j < i} m_ij b_jc exp2(x_ic - y_jc)            (transpose = False)
+        out_ic = sum_{j > i} m_ji b_jc exp2(x_jc - y_ic)            (transpose = True)
     The adjoints of DecayedGram: dM -> da (not transposed) and db (transposed). It appears in
     backward programs only, so it has no adjoint rule of its own."""
 
@@ -203,18 +210,42 @@ class DecayedMatMul(ChunkOp):
     b: str
     x: str
     transpose: bool = False
+    y: str | None = None  # None: x
+
+    @property
+    def column_decay(self) -> str:
+        return self.x if self.y is None else self.y
 
     def args(self):
-        return (self.m, self.b, self.x)
+        return (self.m, self.b, self.x) + (() if self.y is None else (self.y,))
 
     def describe(self):
+        y = self.column_decay
         if self.transpose:
-            return f"sum_{{j > i}} {self.m}_ji {self.b}_jc exp2({self.x}_jc - {self.x}_ic)"
-        return f"sum_{{j < i}} {self.m}_ij {self.b}_jc exp2({self.x}_ic - {self.x}_jc)"
+            return f"sum_{{j > i}} {self.m}_ji {self.b}_jc exp2({self.x}_jc - {y}_ic)"
+        return f"sum_{{j < i}} {self.m}_ij {self.b}_jc exp2({self.x}_ic - {y}_jc)"
 
     @property
     def expensive(self):
         return True
+
+
+@dataclass(frozen=True)
+class Band(ChunkOp):
+    """C x C: x where lo <= i - j (<= hi, when hi is set), else 0. Appears in backward programs
+    only (no adjoint rule): it splits the gradient of a two-decay DecayedGram into the adjacent
+    pairs (i - j = 1, whose decay exp2(x_i - y_(i-1)) is exactly 1) and the rest."""
+
+    x: str
+    lo: int
+    hi: int | None = None
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        upper = f" <= {self.hi}" if self.hi is not None else ""
+        return f"band({self.x}, {self.lo} <= i - j{upper})"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import sympy
 import torch
 
 from .chunk import (
+    Band,
     Broadcast,
     ChunkProgram,
     Cumsum,
@@ -91,22 +92,30 @@ def _t_decay(op: DecayMatrix, env, ctx):
     return torch.exp2(exponent)
 
 
-def _t_channel_decay(x: torch.Tensor, inclusive: bool) -> torch.Tensor:
-    """C x C x K: exp2(x_ic - x_jc) where i > j (i >= j), else 0 -- exactly, pair by pair."""
+def _t_channel_decay(x: torch.Tensor, y: torch.Tensor, inclusive: bool) -> torch.Tensor:
+    """C x C x K: exp2(x_ic - y_jc) where i > j (i >= j), else 0 -- exactly, pair by pair."""
     inside = _lower(x.shape[0], inclusive)[:, :, None]
-    return torch.exp2(torch.where(inside, x[:, None, :] - x[None, :, :], -math.inf))
+    return torch.exp2(torch.where(inside, x[:, None, :] - y[None, :, :], -math.inf))
 
 
 def _t_decayed_gram(op: DecayedGram, env, ctx):
-    decay = _t_channel_decay(env[op.x], op.inclusive)
+    decay = _t_channel_decay(env[op.x], env[op.column_decay], op.inclusive)
     return torch.einsum("ic,jc,ijc->ij", env[op.a], env[op.b], decay)
 
 
 def _t_decayed_matmul(op: DecayedMatMul, env, ctx):
-    decay = _t_channel_decay(env[op.x], inclusive=False)
+    decay = _t_channel_decay(env[op.x], env[op.column_decay], inclusive=False)
     if op.transpose:  # out_ic = sum_j m_ji b_jc decay_jic
         return torch.einsum("ji,jc,jic->ic", env[op.m], env[op.b], decay)
     return torch.einsum("ij,jc,ijc->ic", env[op.m], env[op.b], decay)
+
+
+def _band(C: int, op: Band):
+    """Which (i, j) a Band keeps, as a C x C boolean torch tensor."""
+    i = torch.arange(C)
+    gap = i[:, None] - i[None, :]
+    keep = gap >= op.lo
+    return keep & (gap <= op.hi) if op.hi is not None else keep
 
 
 def _t_cumsum(op: Cumsum, env, ctx):
@@ -152,6 +161,7 @@ TORCH_RULES = {
     DecayedGram: _t_decayed_gram,
     DecayedMatMul: _t_decayed_matmul,
     Diagonal: lambda op, env, ctx: torch.diagonal(env[op.x]),
+    Band: lambda op, env, ctx: torch.where(_band(env[op.x].shape[0], op), env[op.x], 0.0),
     Mask: lambda op, env, ctx: torch.where(_lower(env[op.x].shape[0], op.inclusive), env[op.x], 0.0),
     MatMul: _t_matmul,
     UnitLowerInverse: lambda op, env, ctx: torch.linalg.inv(torch.eye(env[op.a].shape[0], dtype=torch.float64) + env[op.a]),
@@ -245,9 +255,9 @@ def _s_decay(op: DecayMatrix, env, ctx):
     return sympy.Matrix(x.rows, x.rows, entry)
 
 
-def _s_pair_decay(x, i, j, c):
-    """exp2(x_ic - x_jc), the per-channel decay of one pair of rows."""
-    return 2 ** (x[i, c] - x[j, c])
+def _s_pair_decay(x, y, i, j, c):
+    """exp2(x_ic - y_jc), the per-channel decay of one pair of rows."""
+    return 2 ** (x[i, c] - y[j, c])
 
 
 def _s_inside(i, j, inclusive):
@@ -255,24 +265,24 @@ def _s_inside(i, j, inclusive):
 
 
 def _s_decayed_gram(op: DecayedGram, env, ctx):
-    a, b, x = env[op.a], env[op.b], env[op.x]
+    a, b, x, y = env[op.a], env[op.b], env[op.x], env[op.column_decay]
 
     def entry(i, j):
         if not _s_inside(i, j, op.inclusive):
             return 0
-        return sum(a[i, c] * b[j, c] * _s_pair_decay(x, i, j, c) for c in range(x.cols))
+        return sum(a[i, c] * b[j, c] * _s_pair_decay(x, y, i, j, c) for c in range(x.cols))
 
     return sympy.Matrix(x.rows, x.rows, entry)
 
 
 def _s_decayed_matmul(op: DecayedMatMul, env, ctx):
-    m, b, x = env[op.m], env[op.b], env[op.x]
+    m, b, x, y = env[op.m], env[op.b], env[op.x], env[op.column_decay]
     rows = range(x.rows)
 
     def entry(i, c):
         if op.transpose:
-            return sum(m[j, i] * b[j, c] * _s_pair_decay(x, j, i, c) for j in rows if j > i)
-        return sum(m[i, j] * b[j, c] * _s_pair_decay(x, i, j, c) for j in rows if i > j)
+            return sum(m[j, i] * b[j, c] * _s_pair_decay(x, y, j, i, c) for j in rows if j > i)
+        return sum(m[i, j] * b[j, c] * _s_pair_decay(x, y, i, j, c) for j in rows if i > j)
 
     return sympy.Matrix(x.rows, x.cols, entry)
 
@@ -280,6 +290,12 @@ def _s_decayed_matmul(op: DecayedMatMul, env, ctx):
 def _s_mask(op: Mask, env, ctx):
     x = env[op.x]
     return sympy.Matrix(x.rows, x.cols, lambda i, j: x[i, j] if (i >= j if op.inclusive else i > j) else 0)
+
+
+def _s_band(op: Band, env, ctx):
+    x = env[op.x]
+    keep = _band(x.rows, op)
+    return sympy.Matrix(x.rows, x.cols, lambda i, j: x[i, j] if keep[i, j] else 0)
 
 
 def _s_matmul(op: MatMul, env, ctx):
@@ -331,6 +347,7 @@ SYMPY_RULES = {
     DecayedGram: _s_decayed_gram,
     DecayedMatMul: _s_decayed_matmul,
     Diagonal: lambda op, env, ctx: sympy.Matrix(env[op.x].rows, 1, lambda i, j: env[op.x][i, i]),
+    Band: _s_band,
     Mask: _s_mask,
     MatMul: _s_matmul,
     UnitLowerInverse: lambda op, env, ctx: (sympy.eye(env[op.a].rows) + env[op.a]).inv(),

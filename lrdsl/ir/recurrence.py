@@ -5,7 +5,11 @@ Per value head the state S is K x V. With q_t, k_t in R^K and v_t in R^V (docs/d
     decay   S' = D_t S_{t-1}        D_t from the gate kind and the log-decay formula
     delta   u_t = beta_t (v_t - S'^T k_t),  S_t = S' + k_t u_t^T
     plain   S_t = S' + k_t (beta_t v_t)^T
+    dplr    S_t = S' + b_t (a_t^T S_{t-1}) + k_t (beta_t v_t)^T     (diagonal plus low rank:
+            S_t = (D_t + b_t a_t^T) S_{t-1} + k_t (beta_t v_t)^T; a_t, b_t K-vectors from formulas)
     output  o_t = scale * S_t^T q_t
+
+The delta rule is the dplr update with b_t = k_t, a_t = -beta_t D_t k_t and the write beta_t k_t v_t^T.
 
 q, k, v are implicit inputs; `inputs` lists the spec's further inputs in positional order.
 """
@@ -29,6 +33,7 @@ class GateKind(str, Enum):
 class UpdateRule(str, Enum):
     DELTA = "delta"
     PLAIN = "plain"
+    DPLR = "dplr"  # diagonal plus low rank: the state read by a_t is written along b_t
 
 
 class InputRole(str, Enum):
@@ -76,10 +81,23 @@ class Recurrence:
     beta: sympy.Expr | None  # write strength; None means beta = 1
     inputs: tuple[Input, ...]  # positional inputs after q, k, v
     summary: str = ""
+    # dplr only: the low-rank term b_t (a_t^T S_{t-1}), a_t and b_t K-vectors (per key channel)
+    low_rank_read: sympy.Expr | None = None  # a_t
+    low_rank_write: sympy.Expr | None = None  # b_t
 
     @property
     def is_delta(self) -> bool:
         return self.update is UpdateRule.DELTA
+
+    @property
+    def has_low_rank(self) -> bool:
+        return self.update is UpdateRule.DPLR
+
+    @property
+    def formulas(self) -> tuple[sympy.Expr, ...]:
+        """Every formula of the recurrence that is present."""
+        exprs = (self.log_decay, self.beta, self.low_rank_read, self.low_rank_write)
+        return tuple(e for e in exprs if e is not None)
 
     @property
     def has_gate(self) -> bool:
@@ -131,10 +149,13 @@ class Recurrence:
         lines.append(f"  inputs    {', '.join(signature)}")
         lines.append(f"  log_decay {self.log_decay if self.log_decay is not None else '0 (no decay)'}")
         lines.append(f"  beta      {self.beta if self.beta is not None else '1'}")
+        if self.has_low_rank:
+            lines.append(f"  low_rank  b_t (a_t^T S_(t-1)),  a_t = {self.low_rank_read},  b_t = {self.low_rank_write}")
         return "\n".join(lines)
 
     def fingerprint(self) -> str:
         """Exact text identity of this IR (formulas as sympy trees), for cache keys."""
         return "\n".join(
-            [self.describe(), sympy.srepr(self.log_decay), sympy.srepr(self.beta)]
+            [self.describe(), sympy.srepr(self.log_decay), sympy.srepr(self.beta), sympy.srepr(self.low_rank_read),
+             sympy.srepr(self.low_rank_write)]
         )

@@ -5,8 +5,9 @@ registers across tokens. `prologue` runs once per program (per-head inputs and f
 once per token. Every op names the variables it reads and writes so the verifier can check that
 each use has a definition before it.
 
-Variables: `q`, `k` are K-vectors, `v`, `p`, `u`, `o` are V-vectors, `S` is the state; `g_t` is
-the log-decay (scalar, or a K-vector for key-channel gates), `beta_t` the write strength.
+Variables: `q`, `k` are K-vectors, `v`, `p`, `u`, `r`, `o` are V-vectors, `S` is the state; `g_t`
+is the log-decay (scalar, or a K-vector for key-channel gates), `beta_t` the write strength,
+`a_t`, `b_t` the dplr update's low-rank K-vectors.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class NormalizeL2(StepOp):
 class Formula(StepOp):
     """target = expr, evaluated elementwise over its inputs (scalar, or a K-vector)."""
 
-    target: str  # "g_t" or "beta_t"
+    target: str  # "g_t", "beta_t", "a_t" or "b_t"
     expr: sympy.Expr
     per_key: bool
 
@@ -157,6 +158,35 @@ class ScaleValue(StepOp):
 
     def describe(self):
         return "value    u = beta_t * v" if self.with_beta else "value    u = v"
+
+
+@dataclass(frozen=True)
+class ReadLowRank(StepOp):
+    """r = S^T a_t: what the dplr update's low-rank term reads, from the state before this step's
+    decay (so it comes before DecayState)."""
+
+    def uses(self):
+        return ("S", "a_t")
+
+    def defines(self):
+        return ("r",)
+
+    def describe(self):
+        return "read     r = S^T a_t   (before the decay)"
+
+
+@dataclass(frozen=True)
+class WriteLowRank(StepOp):
+    """S <- S + b_t r^T."""
+
+    def uses(self):
+        return ("S", "b_t", "r")
+
+    def defines(self):
+        return ("S",)
+
+    def describe(self):
+        return "write    S <- S + b_t r^T"
 
 
 @dataclass(frozen=True)

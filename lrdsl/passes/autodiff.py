@@ -15,8 +15,8 @@ needs are dropped.
 
 Adjoint rules: elementwise formulas by sympy.diff; a broadcast sums back; cumsum -> reverse cumsum;
 last row -> placed on the last row; exp2(G_i - G_j) -> ln2 * (row sums - column sums) of dD * D;
-the per-channel decayed product M = sum_c a_ic b_jc exp2(x_ic - x_jc) -> da, db by the same decayed
-product applied to dM (and its transpose), dx = ln2 (a * da - b * db);
+the per-channel decayed product M = sum_c a_ic b_jc exp2(x_ic - y_jc) -> da, db by the same decayed
+product applied to dM (and its transpose), dx = ln2 a * da, dy = -ln2 b * db (one decay: their sum);
 masks mask; matmuls transpose; X = (I + A)^-1 -> dA = StrictLower(-X^T dX X^T); the L2 norm ->
 its Jacobian-vector product.
 """
@@ -28,6 +28,7 @@ from ..errors import IRError
 from ..ir.chunk import (
     COTANGENT,
     SAVED,
+    Band,
     Broadcast,
     ChunkOp,
     ChunkProgram,
@@ -162,6 +163,9 @@ def _decayed_gram(op: DecayedGram, dy: str, sweep: Sweep):
     # to dx: it is kept out of dx rather than summed in twice to cancel (at strong decay dx is
     # tiny and the cancellation's rounding would swamp it).
     b = sweep.b
+    if op.y is not None:
+        yield from _two_decay_gram(op, dy, sweep)
+        return
     da = b.add(DecayedMatMul(b.fresh(f"{sweep.name(op.a, op)}_below"), ("C", "K"), dy, op.b, op.x))
     db = b.add(DecayedMatMul(b.fresh(f"{sweep.name(op.b, op)}_above"), ("C", "K"), dy, op.a, op.x, transpose=True))
     a_, b_ = sympy.Symbol(op.a), sympy.Symbol(op.b)
@@ -174,6 +178,27 @@ def _decayed_gram(op: DecayedGram, dy: str, sweep: Sweep):
     yield op.a, str(da)
     yield op.b, str(db)
     yield op.x, str(dx)
+
+
+def _two_decay_gram(op: DecayedGram, dy: str, sweep: Sweep):
+    """M_ij = sum_c a_ic b_jc exp2(x_ic - y_jc) over i > j, x the exclusive and y the inclusive
+    decay of one g (x_i = y_(i-1)): dx_ic = ln2 a_ic sum_j dM_ij b_jc E_ijc, dy_jc = -ln2 b_jc
+    sum_i dM_ij a_ic E_ijc. The adjacent pairs (i = j + 1, E = exp2(0) = 1) move neither decay:
+    they are kept out of dx and dy (their cumulative sums would add and then cancel them, and at
+    strong decay dx and dy are tiny beside them) and added to da and db as plain products."""
+    b = sweep.b
+    CK = ("C", "K")
+    far = str(b.add(Band(b.fresh(f"{dy}_far"), ("C", "C"), dy, lo=2)))
+    near = str(b.add(Band(b.fresh(f"{dy}_adjacent"), ("C", "C"), dy, lo=1, hi=1)))
+    da_far = b.add(DecayedMatMul(b.fresh(f"{sweep.name(op.a, op)}_far"), CK, far, op.b, op.x, y=op.y))
+    db_far = b.add(DecayedMatMul(b.fresh(f"{sweep.name(op.b, op)}_far"), CK, far, op.a, op.x, transpose=True, y=op.y))
+    da_near = b.matmul(f"{sweep.name(op.a, op)}_adjacent", near, op.b, CK)
+    db_near = b.matmul(f"{sweep.name(op.b, op)}_adjacent", near, op.a, CK, transpose_a=True)
+    a_, b_ = sympy.Symbol(op.a), sympy.Symbol(op.b)
+    yield op.x, str(b.formula(sweep.name(op.x, op), LN2 * a_ * da_far, CK))
+    yield op.y, str(b.formula(sweep.name(op.y, op), -LN2 * b_ * db_far, CK))
+    yield op.a, str(b.formula(sweep.name(op.a, op), da_far + da_near, CK))
+    yield op.b, str(b.formula(sweep.name(op.b, op), db_far + db_near, CK))
 
 
 @adjoint(Mask)

@@ -17,6 +17,7 @@ def canonicalize(spec: Spec) -> Recurrence:
     roles = {i.name: i.role for i in inputs}
     log_decay = spec.formulas.get("log_decay")
     beta = spec.formulas.get("beta")
+    low_rank = [spec.formulas.get(key) for key in ("low_rank_read", "low_rank_write")]
 
     def reads(formula, predicate) -> list[str]:
         return sorted(str(s) for s in formula.expr.free_symbols if str(s) in roles and predicate(roles[str(s)]))
@@ -70,9 +71,18 @@ def canonicalize(spec: Spec) -> Recurrence:
         if HEAD_INDEX in beta.expr.free_symbols:
             raise spec.error("formulas.beta", "the head index h may only appear in a constant gate's formula")
 
-    for formula in (log_decay, beta):
-        if formula is None:
-            continue
+    if spec.update is UpdateRule.DPLR:
+        _check_low_rank(spec, low_rank, reads)
+    else:
+        for formula in low_rank:
+            if formula is not None:
+                raise spec.error(
+                    f"formulas.{formula.key}",
+                    f"given, but update = '{spec.update.value}' has no low-rank term (that is update = 'dplr')",
+                )
+
+    formulas = [f for f in (log_decay, beta, *low_rank) if f is not None]
+    for formula in formulas:
         powers = non_real_powers(formula.expr)
         if powers:
             raise spec.error(
@@ -88,9 +98,8 @@ def canonicalize(spec: Spec) -> Recurrence:
         )
 
     used = set()
-    for formula in (log_decay, beta):
-        if formula is not None:
-            used |= {str(s) for s in formula.expr.free_symbols}
+    for formula in formulas:
+        used |= {str(s) for s in formula.expr.free_symbols}
     for inp in inputs:
         if inp.name not in used:
             raise spec.error(f"inputs.{inp.name}", "declared but no formula reads it")
@@ -103,7 +112,29 @@ def canonicalize(spec: Spec) -> Recurrence:
         beta=sympy.sympify(beta.expr) if beta is not None else None,
         inputs=inputs,
         summary=spec.summary,
+        low_rank_read=sympy.sympify(low_rank[0].expr) if low_rank[0] is not None else None,
+        low_rank_write=sympy.sympify(low_rank[1].expr) if low_rank[1] is not None else None,
     )
+
+
+def _check_low_rank(spec: Spec, low_rank, reads) -> None:
+    """dplr: both vectors given, per key channel, and a per-key-channel decay beside them (the
+    chunk form decays the low-rank term's rows channel by channel)."""
+    for key, formula in zip(("low_rank_read", "low_rank_write"), low_rank):
+        if formula is None:
+            raise spec.error("recurrence.update", f"update = 'dplr' needs formulas.{key} (a K-vector per token)")
+        if not reads(formula, lambda r: r.per_key_channel):
+            raise spec.error(
+                f"formulas.{key}", "is a vector per key channel, but the formula reads no token_key/head_key input"
+            )
+        if HEAD_INDEX in formula.expr.free_symbols:
+            raise spec.error(f"formulas.{key}", "the head index h may only appear in a constant gate's formula")
+    if spec.gate is not GateKind.KEY_CHANNEL:
+        raise spec.error(
+            "recurrence.gate",
+            f"update = 'dplr' takes gate = 'key_channel' (its decay is per key channel), got '{spec.gate.value}'; "
+            "a decay per token is a token_key input with one value repeated over the key channels",
+        )
 
 
 def _never_negative(expr) -> bool:

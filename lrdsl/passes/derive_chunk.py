@@ -6,7 +6,9 @@ Which stages exist follows from the recurrence, never from its name:
  - a constant gate is the same formula evaluated per head and broadcast over the rows;
  - the delta rule gives the triangular system T = (I + A)^-1 and W, U, the residual Vn = U - W H;
    a plain update writes Vn = beta * v directly;
- - beta scales the rows of A, W's and U's right-hand sides (or v) where the spec declares it.
+ - beta scales the rows of A, W's and U's right-hand sides (or v) where the spec declares it;
+ - the dplr update (diagonal plus low rank) solves a system too, of its two low-rank vectors
+   (`_low_rank_chunk`).
 
 Per chunk (rows r = 1..C, entry state H), with G the cumulative decay in log2 units:
     A  = StrictLower(diag(beta) (K K^T * exp2(G_i - G_j)))       T = (I + A)^-1
@@ -20,6 +22,8 @@ per channel: K K^T * exp2(G_i - G_j) becomes the DecayedGram sum_c k_ic k_jc exp
 entry by entry, and the exit state decays row by row: H' = Diag(exp2(G_C)) H + (K * exp2(G_C - G))^T Vn.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import sympy
 
@@ -104,6 +108,65 @@ class Builder:
         return self.formula(name, x * spread, shape)
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """The values every update reads: inputs, the gate's cumulative decays, beta, the entry state."""
+
+    q: sympy.Symbol
+    k: sympy.Symbol
+    v: sympy.Symbol
+    scale: sympy.Symbol
+    g: sympy.Symbol  # the log-decay per row (and key channel), 0 past the sequence end
+    G: sympy.Symbol  # its inclusive cumulative sum, log2 units
+    G_last: sympy.Symbol
+    gamma: sympy.Symbol  # exp2(G)
+    beta: sympy.Symbol | None
+    H: sympy.Symbol
+
+
+def _low_rank_chunk(b: Builder, rec: Recurrence, t: Tiles) -> ChunkProgram:
+    """The dplr update S_t = Diag(exp(g_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t (beta_t v_t)^T in
+    chunk form: a WY form with two sets of vectors. With G the inclusive and G- = G - g the
+    exclusive cumulative decay, u_t = a_t^T S_{t-1} (the row the low-rank term writes along b_t):
+        A_ab = StrictLower(sum_c a_ic b_jc exp2(G-_ic - G_jc))    A_ak: the same with k for b
+        T = (I - A_ab)^-1      W = T (a * exp2(G-))      U = W H + T (A_ak (beta V))
+        O  = scale ((q * exp2(G)) H + QK (beta V) + QB U)   QK, QB: inclusive decayed products
+        H' = Diag(exp2(G_C)) H + (k * exp2(G_C - G))^T (beta V) + (b * exp2(G_C - G))^T U
+    Every decayed product is a DecayedGram: exp2(G-_i - G_j) <= 1 for i > j, split at a row
+    between the two, so nothing overflows at strong decay."""
+    CK = ("C", "K")
+    read = b.add(MaskRows(b.fresh("a_masked"), CK, str(b.formula_of_inputs("a_t", rec.low_rank_read, CK))))
+    write = b.add(MaskRows(b.fresh("b_masked"), CK, str(b.formula_of_inputs("b_t", rec.low_rank_write, CK))))
+    # the exclusive cumulative decay, summed directly (exactly 0 on the first row)
+    G_excl = b.formula("G_excl", b.add(Cumsum(b.fresh("g_cumsum_excl"), CK, str(t.g), exclusive=True)) * LOG2E, CK)
+    A_ab = b.add(DecayedGram(b.fresh("ABt_decayed"), ("C", "C"), str(read), str(write), str(G_excl), False, str(t.G)))
+    T = b.add(UnitLowerInverse(b.fresh("T"), ("C", "C"), str(b.formula("minus_ABt", -A_ab, ("C", "C")))))
+    read_from_entry = b.formula("a_decayed", read * 2**G_excl, CK)
+    W = b.matmul("W", T, read_from_entry, CK)
+    v_write = b.scale_rows("v_beta", t.v, t.beta, ("C", "V"))
+    A_ak = b.add(DecayedGram(b.fresh("AKt_decayed"), ("C", "C"), str(read), str(t.k), str(G_excl), False, str(t.G)))
+    U_base = b.matmul("U_base", T, b.matmul("AKtV", A_ak, v_write, ("C", "V")), ("C", "V"))
+    U = b.formula("U", U_base + b.matmul("WH", W, t.H, ("C", "V")), ("C", "V"))
+
+    # exit state: both writes decayed to the chunk's end, exclusive suffix sums of g
+    to_end = b.add(Cumsum(b.fresh("g_to_end"), CK, str(t.g), reverse=True, exclusive=True))
+    decay_to_end = b.formula("decay_to_end", 2 ** (to_end * LOG2E), CK)
+    k_to_end = b.formula("k_decayed", t.k * decay_to_end, CK)
+    write_to_end = b.formula("b_decayed", write * decay_to_end, CK)
+    written = b.matmul("KtV", k_to_end, v_write, ("K", "V"), transpose_a=True)
+    low_rank_written = b.matmul("BtU", write_to_end, U, ("K", "V"), transpose_a=True)
+    decay_last = b.add(Broadcast(b.fresh("decay_last_rows"), ("K", "V"), str(b.formula("decay_last", 2**t.G_last, ("K",)))))
+    H_next = b.formula("H_next", decay_last * t.H + written + low_rank_written, ("K", "V"))
+
+    # output: both writes up to and including each row
+    QK = b.add(DecayedGram(b.fresh("QKt_decayed"), ("C", "C"), str(t.q), str(t.k), str(t.G), inclusive=True))
+    QB = b.add(DecayedGram(b.fresh("QBt_decayed"), ("C", "C"), str(t.q), str(write), str(t.G), inclusive=True))
+    inter = b.matmul("QH", b.formula("q_decayed", t.q * t.gamma, CK), t.H, ("C", "V"))
+    intra = b.matmul("QKtV", QK, v_write, ("C", "V")) + b.matmul("QBtU", QB, U, ("C", "V"))
+    O = b.formula("O", t.scale * (inter + intra), ("C", "V"))
+    return ChunkProgram(rec, tuple(b.ops), (("o", str(O)), ("state", str(H_next))))
+
+
 def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     b = Builder()
     per_channel = rec.gate is GateKind.KEY_CHANNEL
@@ -140,6 +203,8 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
 
     # -- the intra-chunk system and the residual Vn (what the state update writes)
     H = b.add(StateIn(b.fresh("H"), ("K", "V")))
+    if rec.has_low_rank:
+        return _low_rank_chunk(b, rec, Tiles(q, k, v, scale, g, G, G_last, gamma, beta, H))
     if rec.is_delta:
         if per_channel:
             KK = b.add(DecayedGram(b.fresh("KKt_decayed"), ("C", "C"), str(k), str(k), str(G), inclusive=False))

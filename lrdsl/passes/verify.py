@@ -4,8 +4,11 @@ A failure is an IRError: it means a pass (or a hand-built IR) is wrong, not the 
 """
 from __future__ import annotations
 
+import sympy
+
 from ..errors import IRError
 from ..ir.chunk import (
+    Band,
     Broadcast,
     ChunkProgram,
     Cumsum,
@@ -31,7 +34,18 @@ from ..ir.chunk import (
 from ..ir.formula import HEAD_INDEX
 from ..ir.plan import BackwardPlan, ChunkPlans, StageGraph
 from ..ir.recurrence import GateKind, Recurrence
-from ..ir.step import DecayState, DeltaResidual, Formula, PredictValue, ReadOutput, ScaleValue, StepProgram, WriteState
+from ..ir.step import (
+    DecayState,
+    DeltaResidual,
+    Formula,
+    PredictValue,
+    ReadLowRank,
+    ReadOutput,
+    ScaleValue,
+    StepProgram,
+    WriteLowRank,
+    WriteState,
+)
 from ..registry import TypeRegistry
 
 _VERIFIERS = TypeRegistry("verifier", IRError)
@@ -53,7 +67,9 @@ def verify_recurrence(rec: Recurrence) -> None:
     _require(len(names) == len(set(names)), f"{rec.name}: duplicate input names {names}")
     _require((rec.log_decay is None) == (rec.gate is GateKind.NONE), f"{rec.name}: log_decay must be set exactly when gated")
     known = set(names) | {str(HEAD_INDEX)}
-    for label, expr in (("log_decay", rec.log_decay), ("beta", rec.beta)):
+    formulas = (("log_decay", rec.log_decay), ("beta", rec.beta), ("low_rank_read", rec.low_rank_read),
+                ("low_rank_write", rec.low_rank_write))
+    for label, expr in formulas:
         if expr is None:
             continue
         stray = sorted(str(s) for s in expr.free_symbols if str(s) not in known)
@@ -67,6 +83,12 @@ def verify_recurrence(rec: Recurrence) -> None:
         f"{rec.name}: per-key-channel decay inputs go with gate = key_channel and only with it",
     )
     _require(not rec.is_per_key_channel(rec.beta), f"{rec.name}: beta must be one value per token and head")
+    low_rank = (rec.low_rank_read, rec.low_rank_write)
+    if rec.has_low_rank:
+        _require(all(rec.is_per_key_channel(e) for e in low_rank), f"{rec.name}: dplr takes two per-key-channel vectors")
+        _require(rec.gate is GateKind.KEY_CHANNEL, f"{rec.name}: dplr decays per key channel")
+    else:
+        _require(low_rank == (None, None), f"{rec.name}: low-rank vectors belong to the dplr update only")
 
 
 @verifies(StepProgram)
@@ -92,6 +114,11 @@ def verify_step_program(prog: StepProgram) -> None:
     if rec.is_delta:
         _require(kinds.index(DecayState if rec.has_gate else PredictValue) <= kinds.index(PredictValue),
                  f"{rec.name}: the delta rule predicts from the decayed state")
+    _require((ReadLowRank in kinds) == (WriteLowRank in kinds) == rec.has_low_rank,
+             f"{rec.name}: the low-rank read and write belong to the dplr update only")
+    if rec.has_low_rank:
+        first_change = kinds.index(DecayState) if DecayState in kinds else kinds.index(WriteState)
+        _require(kinds.index(ReadLowRank) < first_change, f"{rec.name}: the low-rank term reads the state before the decay")
     for op in list(prog.prologue) + list(prog.body):
         if isinstance(op, Formula) and op.target == "g_t":
             _require(op.per_key == (rec.gate is GateKind.KEY_CHANNEL), f"{rec.name}: g_t shape disagrees with the gate kind")
@@ -132,6 +159,8 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
         return ("C", "K")
     if isinstance(op, Diagonal):
         return ("C",)
+    if isinstance(op, Band):
+        return ("C", "C")
     if isinstance(op, MatMul):
         return _matmul_shape(op, shapes)
     if isinstance(op, UnitLowerInverse):
@@ -143,6 +172,25 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
     if isinstance(op, ReduceSum):
         return tuple(a for i, a in enumerate(shapes[op.x]) if i not in op.axes)
     return None
+
+
+def _exclusive_beside_inclusive(prog: ChunkProgram, x: str, y: str) -> bool:
+    """x = exclusive cumsum(g) * c and y = cumsum(g) * c for one g and one constant c (so that
+    x_i = y_(i-1), which the adjoint of a two-decay DecayedGram relies on)."""
+    def cumsum_of(value):
+        op = prog.op(value)
+        if not isinstance(op, ChunkFormula) or len(op.args()) != 1:
+            return None
+        inner = prog.op(op.args()[0])
+        if not isinstance(inner, Cumsum) or inner.reverse:
+            return None
+        return inner, op.expr.subs(sympy.Symbol(inner.out), 1)
+
+    found = cumsum_of(x), cumsum_of(y)
+    if None in found:
+        return False
+    (cx, fx), (cy, fy) = found
+    return cx.exclusive and not cy.exclusive and cx.x == cy.x and fx == fy and fx.is_number
 
 
 @verifies(ChunkProgram)
@@ -174,11 +222,17 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
             _require(shapes[op.x][:1] == ("C",), f"{where}: needs a per-row value, got {shapes[op.x]}")
         if isinstance(op, DecayedGram):
             operands = [shapes[a] for a in op.args()]
-            _require(operands == [("C", "K")] * 3, f"{where}: needs three C x K tiles, got {operands}")
+            _require(all(o == ("C", "K") for o in operands), f"{where}: needs C x K tiles, got {operands}")
+            # the diagonal exp2(x_i - y_i) is 1 only when both decays are one
+            _require(not (op.inclusive and op.y is not None), f"{where}: an inclusive product takes one decay")
         if isinstance(op, DecayedMatMul):
             operands = [shapes[a] for a in op.args()]
-            _require(operands == [("C", "C"), ("C", "K"), ("C", "K")], f"{where}: needs C x C, C x K, C x K, got {operands}")
-        if isinstance(op, (Mask, UnitLowerInverse, Diagonal)):
+            _require(operands[0] == ("C", "C") and all(o == ("C", "K") for o in operands[1:]),
+                     f"{where}: needs C x C, then C x K tiles, got {operands}")
+        if isinstance(op, DecayedGram) and op.y is not None:
+            _require(_exclusive_beside_inclusive(prog, op.x, op.y),
+                     f"{where}: two decays must be the exclusive and inclusive cumulative sums of one log-decay")
+        if isinstance(op, (Mask, UnitLowerInverse, Diagonal, Band)):
             arg = op.a if isinstance(op, UnitLowerInverse) else op.x
             _require(shapes[arg] == ("C", "C"), f"{where}: needs a C x C matrix")
         shapes[op.out] = op.shape
@@ -189,7 +243,8 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
     if prog.direction == "forward":
         _require(set(roles) == {"o", "state"}, f"{rec.name}: outputs must be o and state, got {sorted(roles)}")
         _require(shapes.get(roles.get("o")) == ("C", "V"), f"{rec.name}: the output o must be C x V")
-        _require((UnitLowerInverse in kinds) == rec.is_delta, f"{rec.name}: a triangular system belongs to the delta rule only")
+        _require((UnitLowerInverse in kinds) == (rec.is_delta or rec.has_low_rank),
+                 f"{rec.name}: a triangular system belongs to the delta rule and the dplr update only")
         per_channel = rec.gate is GateKind.KEY_CHANNEL
         _require((DecayMatrix in kinds) == (rec.has_gate and not per_channel),
                  f"{rec.name}: decay matrices belong to scalar and constant gates only")
