@@ -72,14 +72,14 @@ def test_live_tiles_grow_with_the_chunk_and_the_backward_output_holds_most():
     assert peak_tile_bytes(backward["output"], 64, 128, 64, operand_bytes=4) > output[2]
 
 
-@pytest.mark.parametrize("name, expected", [("gdn", 32), ("deltanet", 32), ("simple_gla", 32), ("linear_attn", 64)])
+@pytest.mark.parametrize("name, expected", [("gdn", 32), ("deltanet", 32), ("simple_gla", 32), ("linear_attn", 64), ("rwkv7", 16)])
 def test_backward_chunk_size_follows_register_pressure(name, expected):
     """The largest chunk size whose backward kernels fit their registers (within the tolerance):
     the gated and delta specs' output kernel overflows at 64, linear attention's does not."""
-    from lrdsl.codegen.chunk import backward_chunk_sizes
+    from lrdsl.codegen.chunk import backward_chunk_sizes, largest_chunk_sizes
 
     item, _, _ = _contexts(name)
-    sizes = backward_chunk_sizes(item.backward)
+    sizes = backward_chunk_sizes(item.backward, largest_chunk_sizes(item))
     assert sizes["input"] == expected
     assert sizes["tf32"] <= min(expected, 32)
     assert module(name).BACKWARD_CHUNK_SIZE == sizes
