@@ -1,8 +1,9 @@
-"""Gated delta rule functions with fla-core 0.6.0's signatures, on lrdsl's generated kernels.
+"""Gated delta rule and KDA functions with fla-core 0.6.0's signatures, on lrdsl's generated kernels.
 
 Code written against FLA switches by changing one import:
 
     from lrdsl.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from lrdsl.ops import chunk_kda, fused_recurrent_kda      # g per key channel [B, T, HV, K]
 
 Parameter names, order and defaults are FLA's. FLA's flags that are really formulas select a
 spec that lrdsl writes and compiles on first use (then caches), so every combination runs on
@@ -11,7 +12,10 @@ kernels generated for exactly it, none hand-written:
     use_gate_in_kernel (with A_log, dt_bias)   log_decay = -exp(A_log) * softplus(g + dt_bias)
     use_beta_sigmoid_in_kernel                 beta = sigmoid(beta)
     allow_neg_eigval (with the above)          beta = 2 * sigmoid(beta)
-    g=None (fused_recurrent only)              no decay
+    g=None (fused_recurrent_gated_delta_rule)  no decay
+
+g is one log-decay per token and value head for the gated delta rule, one per key channel too
+for KDA: the same flags then pick a spec with a key-channel gate (dt_bias [HV * K], as FLA's).
 
 chunk_size (16, 32, 64) and cu_seqlens_cpu (chunk indices built on the host, no device
 synchronisation) are honoured; `state_v_first=True` (states [N, HV, V, K], the layout serving
