@@ -1,8 +1,9 @@
-"""Gated delta rule functions with fla-core 0.6.0's signatures, on lrdsl's generated kernels.
+"""Gated delta rule and KDA functions with fla-core 0.6.0's signatures, on lrdsl's generated kernels.
 
 Code written against FLA switches by changing one import:
 
     from lrdsl.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from lrdsl.ops import chunk_kda, fused_recurrent_kda      # g per key channel [B, T, HV, K]
 
 Parameter names, order and defaults are FLA's. FLA's flags that are really formulas select a
 spec that lrdsl writes and compiles on first use (then caches), so every combination runs on
@@ -11,7 +12,10 @@ kernels generated for exactly it, none hand-written:
     use_gate_in_kernel (with A_log, dt_bias)   log_decay = -exp(A_log) * softplus(g + dt_bias)
     use_beta_sigmoid_in_kernel                 beta = sigmoid(beta)
     allow_neg_eigval (with the above)          beta = 2 * sigmoid(beta)
-    g=None (fused_recurrent only)              no decay
+    g=None (fused_recurrent_gated_delta_rule)  no decay
+
+g is one log-decay per token and value head for the gated delta rule, one per key channel too
+for KDA: the same flags then pick a spec with a key-channel gate (dt_bias [HV * K], as FLA's).
 
 chunk_size (16, 32, 64) and cu_seqlens_cpu (chunk indices built on the host, no device
 synchronisation) are honoured; `state_v_first=True` (states [N, HV, V, K], the layout serving
@@ -40,25 +44,39 @@ class OptionError(ValueError):
 # Specs for FLA's flags, written on demand
 # ---------------------------------------------------------------------------------------------
 
-def spec_text(gate: str, beta: str, has_dt_bias: bool = False) -> tuple[str, str]:
+# The decay kinds FLA's delta-rule functions take: (spec name prefix, what it is, role of g, role of dt_bias)
+DECAYS = {
+    "scalar": ("fla_gdn", "Gated delta rule", "token", "head"),               # chunk_gated_delta_rule: g [B, T, HV]
+    "key_channel": ("fla_kda", "KDA (key-channel delta rule)", "token_key", "head_key"),  # chunk_kda: g [B, T, HV, K]
+}
+
+
+def spec_text(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "scalar") -> tuple[str, str]:
     """(name, TOML text) of the spec FLA's flags describe.
 
     gate: "log" (g is the natural-log decay), "in_kernel" (g is the raw gate projection, with
     A_log and optionally dt_bias) or "none" (no decay). beta: "given", "sigmoid" or "2sigmoid".
+    decay: "scalar" (one decay per token and value head, gated delta rule) or "key_channel" (one
+    per key channel too, KDA: g and dt_bias then carry a key-channel axis).
     """
+    if decay not in DECAYS:
+        raise ValueError(f"unknown decay kind {decay!r}")
+    prefix, family, g_role, dt_bias_role = DECAYS[decay]
     inputs: list[tuple[str, str]] = []
     formulas: list[tuple[str, str]] = []
-    name = ["fla_gdn"]
+    name = [prefix]
     if gate == "log":
-        inputs.append(("g", "token"))
+        inputs.append(("g", g_role))
         formulas.append(("log_decay", "g"))
     elif gate == "in_kernel":
-        inputs.append(("g", "token"))
+        inputs.append(("g", g_role))
         argument = "g + dt_bias" if has_dt_bias else "g"
         formulas.append(("log_decay", f"-exp(A_log) * softplus({argument})"))
         name.append("gate_in_kernel" + ("_dt_bias" if has_dt_bias else ""))
-    elif gate == "none":
+    elif gate == "none" and decay == "scalar":
         name.append("no_gate")
+    elif gate == "none":
+        raise ValueError(f"a {decay} decay needs g: gate kind 'none' is the scalar family's")
     else:
         raise ValueError(f"unknown gate kind {gate!r}")
     inputs.append(("beta", "token"))
@@ -69,16 +87,16 @@ def spec_text(gate: str, beta: str, has_dt_bias: bool = False) -> tuple[str, str
     if gate == "in_kernel":
         inputs.append(("A_log", "head"))
         if has_dt_bias:
-            inputs.append(("dt_bias", "head"))
+            inputs.append(("dt_bias", dt_bias_role))
     spec_name = "_".join(name)
     lines = [
         "# Written by lrdsl.ops for fla-core's flags; regenerated on demand, do not edit.",
         f'name = "{spec_name}"',
-        f'summary = "Gated delta rule, FLA flags: gate {gate}, beta {beta_formula}"',
+        f'summary = "{family}, FLA flags: gate {gate}, beta {beta_formula}"',
         "",
         "[recurrence]",
         'update = "delta"',
-        f'gate = "{"none" if gate == "none" else "scalar"}"',
+        f'gate = "{"none" if gate == "none" else decay}"',
         "",
         "[inputs]",
         *[f'{input_name} = "{role}"' for input_name, role in inputs],
@@ -90,17 +108,17 @@ def spec_text(gate: str, beta: str, has_dt_bias: bool = False) -> tuple[str, str
     return spec_name, "\n".join(lines)
 
 
-_modules: dict[tuple[str, str, bool], object] = {}
+_modules: dict[tuple[str, str, bool, str], object] = {}
 
 
-def spec_module(gate: str, beta: str, has_dt_bias: bool = False):
-    """The generated module of spec_text(gate, beta, has_dt_bias): the spec is written to the
-    module cache directory and compiled through lrdsl.load (both cached)."""
-    wanted = (gate, beta, has_dt_bias)
+def spec_module(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "scalar"):
+    """The generated module of spec_text(gate, beta, has_dt_bias, decay): the spec is written to
+    the module cache directory and compiled through lrdsl.load (both cached)."""
+    wanted = (gate, beta, has_dt_bias, decay)
     if wanted not in _modules:
         from . import load
 
-        name, text = spec_text(gate, beta, has_dt_bias)
+        name, text = spec_text(gate, beta, has_dt_bias, decay)
         path = config.cache_dir() / "specs" / f"{name}.toml"
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             atomic_write(path, text)
@@ -190,8 +208,7 @@ def chunk_gated_delta_rule(
     fn = "chunk_gated_delta_rule"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _CHUNK_KEYWORDS)
-    if cp_context is not None:
-        _fail(fn, "cp_context (context parallelism) is not supported")
+    _reject_unsupported(fn, cp_context=cp_context)
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in CHUNK_SIZES:
         _fail(fn, f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
@@ -250,6 +267,148 @@ def fused_recurrent_gated_delta_rule(
     return module.recurrent(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
+    )
+
+
+# What each FLA option lrdsl does not implement would do, for its one-line refusal. The option's
+# default (False / None) is what lrdsl computes anyway, so that value is accepted silently.
+_UNSUPPORTED = {
+    "safe_gate": "safe_gate (gates bounded for M=16 tensor-core kernels) is not supported",
+    "lower_bound": "lower_bound (the bounded gate lower_bound * sigmoid(...)) is not supported",
+    "disable_recompute": "disable_recompute (keeping every activation for the backward) is not supported",
+    "return_intermediate_states": "return_intermediate_states (the per-chunk states h) is not supported",
+    "cp_context": "cp_context (context parallelism) is not supported",
+    "use_graph": "use_graph (FLA's fixed-shape varlen chunk list for graph capture) is not supported",
+    "max_num_seqs": "max_num_seqs (only used with use_graph) is not supported",
+}
+
+
+def _reject_unsupported(fn: str, **options) -> None:
+    """Refuse, in one line, any of these options set to something other than its default."""
+    for option, value in options.items():
+        if value is not None and value is not False:
+            _fail(fn, f"{_UNSUPPORTED[option]}, got {option}={value!r}")
+
+
+def _key_channel_heads(fn: str, heads: tuple, g) -> tuple:
+    """(A_log, dt_bias as [HV, K]) from FLA's flat dt_bias [HV * K] (a view, so its gradient
+    comes back flat); A_log [HV] as given."""
+    if len(heads) < 2 or not isinstance(heads[1], torch.Tensor) or not isinstance(g, torch.Tensor) or g.dim() != 4:
+        return heads  # the module names any wrong tensor itself
+    A_log, dt_bias = heads
+    HV, K = g.shape[2], g.shape[3]
+    if dt_bias.dim() == 2 and tuple(dt_bias.shape) == (HV, K):
+        return heads
+    if dt_bias.dim() != 1 or dt_bias.numel() != HV * K:
+        _fail(fn, f"dt_bias must be [HV * K] = [{HV * K}] (or [HV, K]), got {list(dt_bias.shape)}")
+    return A_log, dt_bias.view(HV, K)
+
+
+_KDA_CHUNK_KEYWORDS = ("chunk_size", "A_log", "dt_bias")
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):
+    """FLA's chunk_kda on lrdsl's chunk kernels: (o [B, T, HV, V], final state [N, HV, K, V]
+    fp32 or None). g is the log-decay per key channel [B, T, HV, K]; differentiable in q, k, v,
+    g, beta, initial_state, A_log, dt_bias.
+
+    Keyword options as in FLA: chunk_size (16, 32, 64; default: the largest whose kernels fit,
+    64, or 32 at K > 128), A_log [HV] and dt_bias [HV * K] with use_gate_in_kernel=True (g is then
+    the raw gate of -exp(A_log) * softplus(g + dt_bias)). state_v_first=True: initial and final
+    states [N, HV, V, K]. safe_gate, lower_bound, disable_recompute, return_intermediate_states,
+    cp_context, use_graph and max_num_seqs are not supported: anything but their defaults raises.
+    """
+    fn = "chunk_kda"
+    state_v_first = _state_layout(fn, state_v_first, kwargs)
+    _reject_unknown(fn, kwargs, _KDA_CHUNK_KEYWORDS)
+    _reject_unsupported(fn, safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+                        return_intermediate_states=return_intermediate_states, cp_context=cp_context,
+                        use_graph=use_graph, max_num_seqs=max_num_seqs)
+    if g is None:
+        _fail(fn, "g [B, T, HV, K] is required (KDA decays per key channel)")
+    chunk_size = kwargs.get("chunk_size")
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+        _fail(fn, f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
+    gate, beta_kind, has_dt_bias, heads = _formula_flags(
+        fn, g, use_gate_in_kernel, kwargs.get("A_log"), kwargs.get("dt_bias"), use_beta_sigmoid_in_kernel,
+        allow_neg_eigval)
+    module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel")
+    chunks = None
+    if cu_seqlens is not None:
+        if chunk_size is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+            # the size chunk() itself would pick (it sizes for the interpreter as for no particular dtype)
+            chunk_size = module.largest_chunk_size(q.shape[-1], dtype=None if q.device.type == "cpu" else q.dtype)
+        chunks = _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
+    return module.chunk(
+        q, k, v, g, beta, *_key_channel_heads(fn, heads, g), scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        chunk_size=chunk_size, chunk_indices=chunks, state_v_first=state_v_first,
+    )
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLA's fused_recurrent_kda on lrdsl's token-by-token kernel (decode): (o [B, T, HV, V],
+    final state [N, HV, K, V] fp32 or None). g [B, T, HV, K]; with use_gate_in_kernel=True the raw
+    gate of -exp(A_log) * softplus(g + dt_bias), A_log [HV], dt_bias [HV * K] (as chunk_kda's).
+    state_v_first=True: initial and final states [N, HV, V, K]. lower_bound is not supported.
+    Unlike FLA's, it is differentiable (the backward is the chunked one).
+    """
+    fn = "fused_recurrent_kda"
+    state_v_first = _state_layout(fn, state_v_first, kwargs)
+    _reject_unknown(fn, kwargs, ())
+    _reject_unsupported(fn, lower_bound=lower_bound)
+    if g is None:
+        _fail(fn, "g [B, T, HV, K] is required (KDA decays per key channel)")
+    gate, beta_kind, has_dt_bias, heads = _formula_flags(
+        fn, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel")
+    return module.recurrent(
+        q, k, v, g, beta, *_key_channel_heads(fn, heads, g), scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        state_v_first=state_v_first,
     )
 
 
