@@ -200,7 +200,8 @@ def chunk_gated_delta_rule(
     """FLA's chunk_gated_delta_rule on lrdsl's chunk kernels: (o [B, T, HV, V], final state
     [N, HV, K, V] fp32 or None). Differentiable in q, k, v, g, beta, initial_state, A_log, dt_bias.
 
-    Keyword options as in FLA: chunk_size (16, 32, 64; default 64), use_gate_in_kernel with
+    Keyword options as in FLA: chunk_size (16, 32, 64; default: the largest whose kernels fit,
+    64 for 16-bit inputs up to K = 128, where FLA always takes 64), use_gate_in_kernel with
     A_log [HV] and dt_bias [HV] (g is then the raw gate). g=None: no decay (FLA requires g).
     state_v_first=True: initial and final states [N, HV, V, K]. cp_context (context
     parallelism) is not supported and raises.
@@ -209,14 +210,14 @@ def chunk_gated_delta_rule(
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _CHUNK_KEYWORDS)
     _reject_unsupported(fn, cp_context=cp_context)
-    chunk_size = kwargs.get("chunk_size", 64)
-    if chunk_size not in CHUNK_SIZES:
+    chunk_size = kwargs.get("chunk_size")
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
         _fail(fn, f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
     gate, beta_kind, has_dt_bias, heads = _formula_flags(
         fn, g, kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"), kwargs.get("dt_bias"),
         use_beta_sigmoid_in_kernel, allow_neg_eigval)
     module = spec_module(gate, beta_kind, has_dt_bias)
-    chunks = _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q) if cu_seqlens is not None else None
+    chunk_size, chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q)
     extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
     return module.chunk(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -357,12 +358,7 @@ def chunk_kda(
         fn, g, use_gate_in_kernel, kwargs.get("A_log"), kwargs.get("dt_bias"), use_beta_sigmoid_in_kernel,
         allow_neg_eigval)
     module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel")
-    chunks = None
-    if cu_seqlens is not None:
-        if chunk_size is None and isinstance(q, torch.Tensor) and q.dim() == 4:
-            # the size chunk() itself would pick (it sizes for the interpreter as for no particular dtype)
-            chunk_size = module.largest_chunk_size(q.shape[-1], dtype=None if q.device.type == "cpu" else q.dtype)
-        chunks = _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
+    chunk_size, chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
     return module.chunk(
         q, k, v, g, beta, *_key_channel_heads(fn, heads, g), scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -410,6 +406,20 @@ def fused_recurrent_kda(
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         state_v_first=state_v_first,
     )
+
+
+def _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q):
+    """(chunk size, chunks of the packed sequences or None) for the module's chunk().
+
+    Where the caller gave lrdsl nothing to keep to (no cu_seqlens_cpu, no chunk_indices), both
+    stay as given (None: chunk() picks the largest chunk size that fits, and lets its backward
+    recompute at its own, BACKWARD_CHUNK_SIZE); with them the chunks are counted on the host at
+    the given size, else at the one chunk() would pick, and the backward keeps that size."""
+    if cu_seqlens is None or (cu_seqlens_cpu is None and chunk_indices is None):
+        return chunk_size, None
+    if chunk_size is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        chunk_size = module.largest_chunk_size(q.shape[-1], dtype=None if q.device.type == "cpu" else q.dtype)
+    return chunk_size, _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q)
 
 
 def _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q):
