@@ -15,7 +15,7 @@ from ..ir.step import StepProgram
 from .chunk import emit_chunk_section
 from .names import CHUNK_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, VERIFY_OPTIONS, forward_options, signature
 from .printer import HELPERS
-from .recurrent import commit_kernel_name, decay_op, emit_commit_kernel, emit_recurrent_kernel, kernel_name
+from .recurrent import commit_kernel_name, commit_refusal, decay_op, emit_commit_kernel, emit_recurrent_kernel, kernel_name
 from .templating import render
 
 # Launch defaults of the recurrent kernel: value columns per program and warps.
@@ -45,6 +45,7 @@ def emit_recurrent_section(step: StepProgram) -> str:
         kernel_name=kernel_name(step),
         commit_kernel=emit_commit_kernel(step).rstrip("\n"),
         commit_kernel_name=commit_kernel_name(step),
+        commit_refusal=commit_refusal(step),
         spec_name=rec.name,
         positional=", ".join(_positional(rec)),
         signature=signature(_positional(rec), RECURRENT_OPTIONS),

@@ -195,6 +195,16 @@ def draft_parts(prog: StepProgram) -> list[str]:
     return ["k", "u"] + ([] if decay is None else ["g_per_key" if decay.per_key else "g_scalar"])
 
 
+def commit_refusal(prog: StepProgram) -> str | None:
+    """Why commit() cannot replay this step from a Draft, or None. A low-rank term (the dplr
+    update) writes b_t (a_t^T S) beside k u^T: a second rank-one write per token, which a Draft
+    (k, u, g_t) does not hold, so commit refuses rather than write a wrong state."""
+    if not any(isinstance(op, WriteLowRank) for op in prog.body):
+        return None
+    return (f"{prog.recurrence.name}'s low-rank update writes a second rank-one term per token, which a Draft "
+            "(k, u, g_t) does not hold: run recurrent() on the accepted tokens to advance the pool")
+
+
 def emit_draft_stores(prog: StepProgram) -> list[str]:
     lines = ["# verify: what commit needs to replay this token (k, u" + (", g_t)" if decay_op(prog) else ")")]
     for part in draft_parts(prog):
