@@ -418,7 +418,7 @@ def _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_si
     if cu_seqlens is None or (cu_seqlens_cpu is None and chunk_indices is None):
         return chunk_size, None
     if chunk_size is None and isinstance(q, torch.Tensor) and q.dim() == 4:
-        chunk_size = module.largest_chunk_size(q.shape[-1], dtype=None if q.device.type == "cpu" else q.dtype)
+        chunk_size = module._largest_chunk_size(q, q.shape[-1], "input")  # chunk()'s own default for q
     return chunk_size, _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q)
 
 
