@@ -18,9 +18,16 @@ from .printer import HELPERS
 from .recurrent import commit_kernel_name, commit_refusal, decay_op, emit_commit_kernel, emit_recurrent_kernel, kernel_name
 from .templating import render
 
-# Launch defaults of the recurrent kernel: value columns per program and warps.
-RECURRENT_BLOCK_V = 32
-RECURRENT_NUM_WARPS = 4
+# Launch settings of the recurrent kernel (decode, verify, short sequences), from a sweep on the
+# H200 (BENCHMARKS.md, "Serving launch sweep"): 16 value columns per program make many small
+# programs, which keeps more state loads in flight than 32, and one warp per 64 fp32 state values
+# a thread (K = 128: one warp) keeps the K x BV tile in registers without idle lanes. B = 256
+# decode went 373 -> 324 us and verify of 4 tokens 573 -> 405 us against 32 columns on 4 warps.
+RECURRENT_BLOCK_V = 16
+RECURRENT_STATE_VALUES_PER_THREAD = 64
+# The commit kernel replays stored vectors (no reductions): 32 columns on 4 warps measured best.
+COMMIT_BLOCK_V = 32
+COMMIT_NUM_WARPS = 4
 
 
 def _positional(rec: Recurrence) -> list[str]:
@@ -55,7 +62,9 @@ def emit_recurrent_section(step: StepProgram) -> str:
         draft_g_shape=g_shape,
         draft_g_tuple=g_tuple,
         block_v=RECURRENT_BLOCK_V,
-        num_warps=RECURRENT_NUM_WARPS,
+        state_values_per_warp=32 * RECURRENT_STATE_VALUES_PER_THREAD,
+        commit_block_v=COMMIT_BLOCK_V,
+        commit_num_warps=COMMIT_NUM_WARPS,
     )
 
 
