@@ -111,11 +111,11 @@ def serving_step(mod):
     return step
 
 
-@pytest.mark.parametrize("name", ["gdn", "kda"])
+@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7"])
 def test_serving_step_compiles_fullgraph(name, generator, device):
     """Pool decode, verify and commit (ops that update the pool in place) compile with
     fullgraph=True and leave the pool as the eager calls do; kda has no chunk form (its module
-    registers the recurrent ops only)."""
+    registers the recurrent ops only); rwkv7's Draft holds its low-rank term's b and r too."""
     tensors = [t.to(device) for t in small_inputs(name, generator, B=3, T=4)]
     decode, drafts = split(name, tensors, 1)
     pool = torch.randn(5, 2, 8, 12, generator=generator).to(device)
@@ -153,15 +153,38 @@ def test_custom_ops_pass_opcheck(generator, device):
         (ops.recurrent_pool, (q, k, v, [g, beta], pool.clone(), indices, None, scale, True, False, True)),
         (ops.chunk_pool, (q, k, v, [g, beta], pool.clone(), indices, None, None, None, scale, True, 16,
                           mod.DEFAULT_CHUNK_PLAN, "input", False, True)),
-        (ops.verify, (q, k, v, [g, beta], pool, indices, None, scale, True, False, True)),
     ]
     for op, args in calls:
         results = torch.library.opcheck(op, args)
         assert set(results.values()) == {"SUCCESS"}, (op, results)
-    _, draft_k, draft_u, draft_g = ops.verify(q, k, v, [g, beta], pool, indices, None, scale, True, False, True)
-    results = torch.library.opcheck(ops.commit, (pool.clone(), indices, torch.tensor([1, 3], device=device), draft_k,
-                                                 draft_u, draft_g, None, False, True))
+
+
+@pytest.mark.parametrize("name", ["gdn", "rwkv7"])
+def test_verify_and_commit_ops_pass_opcheck(name, generator, device):
+    """opcheck on the verify and commit ops: the Draft's buffers travel as k, u, g, b, r (empty
+    where the spec has none: gdn has no low-rank term, rwkv7's b and r are what commit replays of
+    it); the op-committed rows equal the oracle's state after the accepted tokens."""
+    rec, ops = recurrence(name), ops_of(module(name))
+    q, k, v, *extras = [t.to(device) for t in small_inputs(name, generator, B=2, T=3)]
+    pool = torch.randn(4, 2, 8, 12, generator=generator).to(device)
+    indices, accepted = torch.tensor([3, 0], device=device), torch.tensor([1, 3], device=device)
+    scale = 8 ** -0.5
+    verify_args = (q, k, v, extras, pool, indices, None, scale, True, False, True)
+    results = torch.library.opcheck(ops.verify, verify_args)
     assert set(results.values()) == {"SUCCESS"}, results
+    _, *draft = ops.verify(*verify_args)
+    assert [x.numel() > 0 for x in draft[3:]] == [rec.has_low_rank] * 2, "b and r: present exactly for a low-rank term"
+    commit_args = (pool.clone(), indices, accepted, *draft, None, False, True)
+    results = torch.library.opcheck(ops.commit, commit_args)
+    assert set(results.values()) == {"SUCCESS"}, results
+    committed = pool.clone()
+    ops.commit(committed, indices, accepted, *draft, None, False, True)
+    per_token = [True] * 3 + [i.role.per_token for i in rec.inputs]
+    for n, (row, count) in enumerate(zip(indices.tolist(), accepted.tolist())):
+        prefix = [(t[n:n + 1, :count] if p else t).double().cpu() for t, p in zip((q, k, v, *extras), per_token)]
+        _, expected = reference.run(rec, *prefix, initial_state=pool[row][None].double().cpu(), output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, scale=scale)
+        assert relative_error(committed[row][None], expected) <= LIMIT, f"row {row} after {count} accepted"
 
 
 def test_a_bad_tensor_under_compile_names_it(generator, device):

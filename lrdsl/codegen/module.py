@@ -15,7 +15,14 @@ from ..ir.step import StepProgram
 from .chunk import emit_chunk_section
 from .names import CHUNK_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, VERIFY_OPTIONS, forward_options, signature
 from .printer import HELPERS
-from .recurrent import commit_kernel_name, commit_refusal, decay_op, emit_commit_kernel, emit_recurrent_kernel, kernel_name
+from .recurrent import (
+    commit_kernel_name,
+    decay_op,
+    emit_commit_kernel,
+    emit_recurrent_kernel,
+    has_low_rank,
+    kernel_name,
+)
 from .templating import render
 
 # Launch settings of the recurrent kernel (decode, verify, short sequences), from a sweep on the
@@ -35,32 +42,41 @@ def _positional(rec: Recurrence) -> list[str]:
     return list(POSITIONAL) + [i.name for i in rec.inputs]
 
 
-def _draft_g_shape(step: StepProgram) -> tuple[str, str]:
-    """(as the Draft docstring writes it, as _draft_shapes returns it) of a Draft's g."""
+def _draft_layout(step: StepProgram) -> tuple[str, str]:
+    """A Draft's buffers k, u, g, b, r: (their shapes as the Draft docstring writes them, the tuple
+    of shapes _draft_shapes returns, None for a buffer this spec's step does not have)."""
+    shapes = {"k": "B, T, HV, K", "u": "B, T, HV, V"}
     decay = decay_op(step)
+    if decay is not None:
+        shapes["g"] = "B, T, HV, K" if decay.per_key else "B, T, HV"
+    if has_low_rank(step):
+        shapes.update(b="B, T, HV, K", r="B, T, HV, V")
+    doc = "   ".join(f"{name} [{shape}]" for name, shape in shapes.items())
     if decay is None:
-        return "None (no gate)", "None"
-    return ("[B, T, HV, K]", "(B, T, HV, K)") if decay.per_key else ("[B, T, HV]", "(B, T, HV)")
+        doc += "   g None (no gate)"
+    if not has_low_rank(step):
+        doc += "   b, r None (no low-rank term)"
+    tuples = ", ".join(f"({shapes[name]})" if name in shapes else "None" for name in ("k", "u", "g", "b", "r"))
+    return doc, tuples
 
 
 def emit_recurrent_section(step: StepProgram) -> str:
     rec = step.recurrence
-    g_shape, g_tuple = _draft_g_shape(step)
+    draft_doc, draft_tuples = _draft_layout(step)
     return render(
         "recurrent_api.py.jinja",
         kernel=emit_recurrent_kernel(step).rstrip("\n"),
         kernel_name=kernel_name(step),
         commit_kernel=emit_commit_kernel(step).rstrip("\n"),
         commit_kernel_name=commit_kernel_name(step),
-        commit_refusal=commit_refusal(step),
         spec_name=rec.name,
         positional=", ".join(_positional(rec)),
         signature=signature(_positional(rec), RECURRENT_OPTIONS),
         forward_options=forward_options(RECURRENT_OPTIONS),
         verify_signature=signature(_positional(rec), VERIFY_OPTIONS),
         verify_forward_options=forward_options(VERIFY_OPTIONS),
-        draft_g_shape=g_shape,
-        draft_g_tuple=g_tuple,
+        draft_shapes_doc=draft_doc,
+        draft_shapes_tuple=draft_tuples,
         block_v=RECURRENT_BLOCK_V,
         state_values_per_warp=32 * RECURRENT_STATE_VALUES_PER_THREAD,
         commit_block_v=COMMIT_BLOCK_V,
@@ -93,6 +109,7 @@ def emit_module(stages: dict, spec_path: str) -> str:
         "custom_ops.py.jinja",
         namespace=f"lrdsl_{rec.name}_{OPS_KEY_PLACEHOLDER}",
         has_gate=decay_op(stages["step"]) is not None,
+        has_low_rank=has_low_rank(stages["step"]),
         kernel_name=kernel_name(stages["step"]),
     ))
     inputs_tuple = "(" + "".join(f"({i.name!r}, {i.role.value!r}), " for i in rec.inputs) + ")"

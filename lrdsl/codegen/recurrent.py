@@ -176,58 +176,77 @@ def decay_op(prog: StepProgram) -> DecayState | None:
     return next((op for op in prog.body if isinstance(op, DecayState)), None)
 
 
+def has_low_rank(prog: StepProgram) -> bool:
+    return any(isinstance(op, WriteLowRank) for op in prog.body)
+
+
 # What verify stores per draft token and value head so that commit can replay the token's state
-# update S <- D_t S + k u^T without the state in between: the key it wrote with (after the L2
-# norm), the residual u, and the log-decay g_t when the spec has a gate (per key channel for a
-# key-channel gate). Buffers are fp32, token-major: [B, T, HV, K], [B, T, HV, V], [B, T, HV(, K)].
-# The K-wide ones are stored by the first value block's programs only (the others hold the same).
+# update without the state in between: the key it wrote with (after the L2 norm), the residual
+# u, the log-decay g_t when the spec has a gate (per key channel for a key-channel gate), and,
+# for a low-rank (dplr) update, the vector b_t its second rank-one term writes along and
+# r = S^T a_t, what that term read. r depends on the state before the token, which only verify
+# holds, so verify stores it and commit replays S <- D_t S + k u^T + b_t r^T from the row alone.
+# Buffers are fp32, token-major: k, b [B, T, HV, K]; u, r [B, T, HV, V]; g [B, T, HV(, K)].
+# The K-wide ones are stored by the first value block's programs only (the others hold the same);
+# u and r by every value block, each its own columns.
 DRAFT_ADDRESS = {
     "k": ("draft_k", "(t * HV + i_hv) * K + o_k", "m_k & (i_v == 0)"),
     "u": ("draft_u", "(t * HV + i_hv) * V + o_v", "m_v"),
     "g_scalar": ("draft_g", "t * HV + i_hv", "i_v == 0"),
     "g_per_key": ("draft_g", "(t * HV + i_hv) * K + o_k", "m_k & (i_v == 0)"),
+    "b": ("draft_b", "(t * HV + i_hv) * K + o_k", "m_k & (i_v == 0)"),
+    "r": ("draft_r", "(t * HV + i_hv) * V + o_v", "m_v"),
 }
-DRAFT_VALUES = {"k": "b_k", "u": "b_u", "g_scalar": "g_t", "g_per_key": "g_t"}
+DRAFT_VALUES = {"k": "b_k", "u": "b_u", "g_scalar": "g_t", "g_per_key": "g_t", "b": "b_t", "r": "b_r"}
+# as the step program names them (lrdsl show --stage step)
+DRAFT_SYMBOLS = {"k": "k", "u": "u", "g_scalar": "g_t", "g_per_key": "g_t", "b": "b_t", "r": "r"}
 
 
 def draft_parts(prog: StepProgram) -> list[str]:
     decay = decay_op(prog)
-    return ["k", "u"] + ([] if decay is None else ["g_per_key" if decay.per_key else "g_scalar"])
+    gate = [] if decay is None else ["g_per_key" if decay.per_key else "g_scalar"]
+    return ["k", "u"] + gate + (["b", "r"] if has_low_rank(prog) else [])
 
 
-def commit_refusal(prog: StepProgram) -> str | None:
-    """Why commit() cannot replay this step from a Draft, or None. A low-rank term (the dplr
-    update) writes b_t (a_t^T S) beside k u^T: a second rank-one write per token, which a Draft
-    (k, u, g_t) does not hold, so commit refuses rather than write a wrong state."""
-    if not any(isinstance(op, WriteLowRank) for op in prog.body):
-        return None
-    return (f"{prog.recurrence.name}'s low-rank update writes a second rank-one term per token, which a Draft "
-            "(k, u, g_t) does not hold: run recurrent() on the accepted tokens to advance the pool")
+def _draft_symbols(prog: StepProgram) -> str:
+    return ", ".join(DRAFT_SYMBOLS[part] for part in draft_parts(prog))
+
+
+def replayed_update(prog: StepProgram) -> str:
+    """The state update commit replays per token, as its kernel's docstring writes it."""
+    decay = decay_op(prog)
+    decayed = "S" if decay is None else ("Diag(exp(g_t)) S" if decay.per_key else "exp(g_t) S")
+    return f"S <- {decayed} + k u^T" + (" + b_t r^T" if has_low_rank(prog) else "")
 
 
 def emit_draft_stores(prog: StepProgram) -> list[str]:
-    lines = ["# verify: what commit needs to replay this token (k, u" + (", g_t)" if decay_op(prog) else ")")]
+    lines = [f"# verify: what commit needs to replay this token ({_draft_symbols(prog)})"]
     for part in draft_parts(prog):
         pointer, offsets, mask = DRAFT_ADDRESS[part]
         lines.append(f"tl.store({pointer} + {offsets}, {DRAFT_VALUES[part]}, mask={mask})")
     return lines
 
 
+# the step ops commit replays: the ones that write the state (what they read, verify stored)
+REPLAYED_OPS = (DecayState, WriteState, WriteLowRank)
+
+
 def emit_commit_kernel(prog: StepProgram) -> str:
-    """The commit kernel: the step program's decay and write, on what verify stored."""
-    body = ["# this token's key, residual and log-decay, as verify computed them"]
+    """The commit kernel: the step program's decay and writes, on what verify stored."""
+    body = [f"# this token's {_draft_symbols(prog)}, as verify computed them"]
     for part in draft_parts(prog):
         pointer, offsets, mask = DRAFT_ADDRESS[part]
         mask = mask.replace(" & (i_v == 0)", "").replace("i_v == 0", "")  # every program reads them
         value = DRAFT_VALUES[part]
         body.append(f"{value} = tl.load({pointer} + {offsets}{f', mask={mask}, other=0.0' if mask else ''})")
     for op in prog.body:
-        if isinstance(op, (DecayState, WriteState)):
+        if isinstance(op, REPLAYED_OPS):
             body += STEP_EMITTERS.lookup(op)(op, prog).lines
     return render(
         "commit.py.jinja",
         kernel_name=commit_kernel_name(prog),
         spec_name=prog.recurrence.name,
+        replayed_update=replayed_update(prog),
         body=indent(body, 8),
     )
 
