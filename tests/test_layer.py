@@ -4,12 +4,15 @@ the recurrence through lrdsl.reference); lrdsl.integrations.patch_qwen35 on a ti
 from __future__ import annotations
 
 import copy
+import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from lrdsl import reference
@@ -22,6 +25,20 @@ from lrdsl.specs_registry import resolve_spec
 from lrdsl.workloads import TOLERANCE, relative_error
 
 TOL = TOLERANCE[torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def transformers_torch_path(monkeypatch):
+    """transformers' layer on its own torch recurrence, whatever is installed: transformers binds
+    FLA's chunk_gated_delta_rule at import when fla-core is present (and fla-core 0.6.0 refuses its
+    gated backward on Hopper with triton < 3.7.1), so the reference would depend on the machine.
+    The torch function (the wrapper's __wrapped__) is wrapped again by transformers' own decorator
+    with a package that does not exist: its torch fallback, keyword filtering included."""
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        torch_function = inspect.unwrap(getattr(qwen3_5_modeling, name))
+        assert torch_function.__module__ == qwen3_5_modeling.__name__, f"{name}: no torch function found"
+        fallback = use_kernel_func_from_hub_with_fallback(name.removeprefix("torch_"), "lrdsl_no_such_package")
+        monkeypatch.setattr(qwen3_5_modeling, name, fallback(torch_function))
 
 
 def tiny_config(layer_types=("linear_attention",)):
