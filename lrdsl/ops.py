@@ -276,7 +276,6 @@ def fused_recurrent_gated_delta_rule(
 _UNSUPPORTED = {
     "safe_gate": "safe_gate (gates bounded for M=16 tensor-core kernels) is not supported",
     "lower_bound": "lower_bound (the bounded gate lower_bound * sigmoid(...)) is not supported",
-    "disable_recompute": "disable_recompute (keeping every activation for the backward) is not supported",
     "return_intermediate_states": "return_intermediate_states (the per-chunk states h) is not supported",
     "cp_context": "cp_context (context parallelism) is not supported",
     "use_graph": "use_graph (FLA's fixed-shape varlen chunk list for graph capture) is not supported",
@@ -289,6 +288,16 @@ def _reject_unsupported(fn: str, **options) -> None:
     for option, value in options.items():
         if value is not None and value is not False:
             _fail(fn, f"{_UNSUPPORTED[option]}, got {option}={value!r}")
+
+
+def _save_policy(fn: str, disable_recompute) -> str | None:
+    """chunk()'s save_policy for FLA's disable_recompute. Both say what the backward recomputes,
+    never what it computes: True, keep every forward activation the backward reads and recompute
+    none, is save_policy "save"; False is lrdsl's default, "recompute" (FLA then keeps its
+    chunk-local matrices and recomputes the rest; lrdsl keeps nothing and recomputes it all)."""
+    if not isinstance(disable_recompute, bool):
+        _fail(fn, f"disable_recompute must be True or False, got {disable_recompute!r}")
+    return "save" if disable_recompute else None
 
 
 def _key_channel_heads(fn: str, heads: tuple, g) -> tuple:
@@ -340,15 +349,19 @@ def chunk_kda(
     Keyword options as in FLA: chunk_size (16, 32, 64; default: the largest whose kernels fit,
     64, or 32 at K > 128), A_log [HV] and dt_bias [HV * K] with use_gate_in_kernel=True (g is then
     the raw gate of -exp(A_log) * softplus(g + dt_bias)). state_v_first=True: initial and final
-    states [N, HV, V, K]. safe_gate, lower_bound, disable_recompute, return_intermediate_states,
-    cp_context, use_graph and max_num_seqs are not supported: anything but their defaults raises.
+    states [N, HV, V, K]. disable_recompute=True keeps every forward buffer the backward reads, so
+    it re-runs no forward kernel (chunk()'s save_policy="save"; more memory, the same gradients;
+    eager only: under torch.compile chunk() keeps nothing for its backward). safe_gate,
+    lower_bound, return_intermediate_states, cp_context, use_graph and max_num_seqs are not
+    supported: anything but their defaults raises.
     """
     fn = "chunk_kda"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _KDA_CHUNK_KEYWORDS)
-    _reject_unsupported(fn, safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+    _reject_unsupported(fn, safe_gate=safe_gate, lower_bound=lower_bound,
                         return_intermediate_states=return_intermediate_states, cp_context=cp_context,
                         use_graph=use_graph, max_num_seqs=max_num_seqs)
+    save_policy = _save_policy(fn, disable_recompute)
     if g is None:
         _fail(fn, "g [B, T, HV, K] is required (KDA decays per key channel)")
     chunk_size = kwargs.get("chunk_size")
@@ -362,7 +375,7 @@ def chunk_kda(
     return module.chunk(
         q, k, v, g, beta, *_key_channel_heads(fn, heads, g), scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        chunk_size=chunk_size, chunk_indices=chunks, state_v_first=state_v_first,
+        chunk_size=chunk_size, chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy,
     )
 
 
