@@ -253,8 +253,10 @@ def test_host_copy_of_cu_seqlens_is_checked(generator, device):
     module = ops.spec_module("log", "given")
     cu = torch.tensor([0, 3, 3, 40], dtype=torch.int64)
     counted, on_device = module.prepare_varlen(cu, 16, cu), module.prepare_varlen(cu.to(device), 16)
-    assert torch.equal(counted.indices.cpu(), on_device.indices.cpu()) and counted.cu_seqlens_cpu is cu
-    assert on_device.cu_seqlens_cpu is None
+    for chunks in (counted, on_device):
+        assert (chunks.indices.tolist(), chunks.offsets.tolist()) == ([[0, 0], [2, 0], [2, 1], [2, 2]], [0, 1, 1, 4])
+        assert (chunks.chunk_size, chunks.num_tokens) == (16, 40)
+    assert counted.cu_seqlens_cpu is cu and on_device.cu_seqlens_cpu is None
     with pytest.raises(module.InputError, match=r"^fla_gdn.prepare_varlen: cu_seqlens_cpu must be the host copy of cu_seqlens: "
                                                 r"a CPU tensor \[4\], got a cpu tensor \[3\]$"):
         module.prepare_varlen(cu.to(device), 16, cu[:3])
