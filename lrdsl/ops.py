@@ -217,7 +217,7 @@ def chunk_gated_delta_rule(
         fn, g, kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"), kwargs.get("dt_bias"),
         use_beta_sigmoid_in_kernel, allow_neg_eigval)
     module = spec_module(gate, beta_kind, has_dt_bias)
-    chunk_size, chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q)
+    chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q)
     extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
     return module.chunk(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -276,7 +276,6 @@ def fused_recurrent_gated_delta_rule(
 _UNSUPPORTED = {
     "safe_gate": "safe_gate (gates bounded for M=16 tensor-core kernels) is not supported",
     "lower_bound": "lower_bound (the bounded gate lower_bound * sigmoid(...)) is not supported",
-    "disable_recompute": "disable_recompute (keeping every activation for the backward) is not supported",
     "return_intermediate_states": "return_intermediate_states (the per-chunk states h) is not supported",
     "cp_context": "cp_context (context parallelism) is not supported",
     "use_graph": "use_graph (FLA's fixed-shape varlen chunk list for graph capture) is not supported",
@@ -289,6 +288,16 @@ def _reject_unsupported(fn: str, **options) -> None:
     for option, value in options.items():
         if value is not None and value is not False:
             _fail(fn, f"{_UNSUPPORTED[option]}, got {option}={value!r}")
+
+
+def _save_policy(fn: str, disable_recompute) -> str | None:
+    """chunk()'s save_policy for FLA's disable_recompute. Both say what the backward recomputes,
+    never what it computes: True, keep every forward activation the backward reads and recompute
+    none, is save_policy "save"; False is lrdsl's default, "recompute" (FLA then keeps its
+    chunk-local matrices and recomputes the rest; lrdsl keeps nothing and recomputes it all)."""
+    if not isinstance(disable_recompute, bool):
+        _fail(fn, f"disable_recompute must be True or False, got {disable_recompute!r}")
+    return "save" if disable_recompute else None
 
 
 def _key_channel_heads(fn: str, heads: tuple, g) -> tuple:
@@ -340,15 +349,19 @@ def chunk_kda(
     Keyword options as in FLA: chunk_size (16, 32, 64; default: the largest whose kernels fit,
     64, or 32 at K > 128), A_log [HV] and dt_bias [HV * K] with use_gate_in_kernel=True (g is then
     the raw gate of -exp(A_log) * softplus(g + dt_bias)). state_v_first=True: initial and final
-    states [N, HV, V, K]. safe_gate, lower_bound, disable_recompute, return_intermediate_states,
-    cp_context, use_graph and max_num_seqs are not supported: anything but their defaults raises.
+    states [N, HV, V, K]. disable_recompute=True keeps every forward buffer the backward reads, so
+    it re-runs no forward kernel (chunk()'s save_policy="save"; more memory, the same gradients;
+    eager only: under torch.compile chunk() keeps nothing for its backward). safe_gate,
+    lower_bound, return_intermediate_states, cp_context, use_graph and max_num_seqs are not
+    supported: anything but their defaults raises.
     """
     fn = "chunk_kda"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _KDA_CHUNK_KEYWORDS)
-    _reject_unsupported(fn, safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+    _reject_unsupported(fn, safe_gate=safe_gate, lower_bound=lower_bound,
                         return_intermediate_states=return_intermediate_states, cp_context=cp_context,
                         use_graph=use_graph, max_num_seqs=max_num_seqs)
+    save_policy = _save_policy(fn, disable_recompute)
     if g is None:
         _fail(fn, "g [B, T, HV, K] is required (KDA decays per key channel)")
     chunk_size = kwargs.get("chunk_size")
@@ -358,11 +371,11 @@ def chunk_kda(
         fn, g, use_gate_in_kernel, kwargs.get("A_log"), kwargs.get("dt_bias"), use_beta_sigmoid_in_kernel,
         allow_neg_eigval)
     module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel")
-    chunk_size, chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
+    chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
     return module.chunk(
         q, k, v, g, beta, *_key_channel_heads(fn, heads, g), scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        chunk_size=chunk_size, chunk_indices=chunks, state_v_first=state_v_first,
+        chunk_size=chunk_size, chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy,
     )
 
 
@@ -409,36 +422,37 @@ def fused_recurrent_kda(
 
 
 def _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q):
-    """(chunk size, chunks of the packed sequences or None) for the module's chunk().
+    """The chunk_indices for the module's chunk(), or None.
 
-    Where the caller gave lrdsl nothing to keep to (no cu_seqlens_cpu, no chunk_indices), both
-    stay as given (None: chunk() picks the largest chunk size that fits, and lets its backward
-    recompute at its own, BACKWARD_CHUNK_SIZE); with them the chunks are counted on the host at
-    the given size, else at the one chunk() would pick, and the backward keeps that size."""
+    Where the caller gave lrdsl nothing to keep to (no cu_seqlens_cpu, no chunk_indices), None:
+    chunk() counts the chunks itself. With them, the chunks of the given chunk size (else of the
+    one chunk() picks) are counted on the host: on cu_seqlens_cpu (no device synchronisation), or,
+    for FLA's chunk_indices alone, on one host copy of cu_seqlens (one). Counted on the host, they
+    leave chunk()'s backward free to recompute at its own chunk size, BACKWARD_CHUNK_SIZE, where the
+    caller gave no chunk_size: chunk() counts that size's chunks on the same host copy."""
     if cu_seqlens is None or (cu_seqlens_cpu is None and chunk_indices is None):
-        return chunk_size, None
-    if chunk_size is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        return None
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(cu_seqlens, torch.Tensor):
+        return None  # chunk() names the wrong tensor itself
+    if chunk_size is None:
         chunk_size = module._largest_chunk_size(q, q.shape[-1], "input")  # chunk()'s own default for q
-    return chunk_size, _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q)
+    return _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size)
 
 
-def _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q):
-    """The module's chunks of the packed sequences (what its prepare_varlen returns), for this call.
+def _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size):
+    """The module's chunks of the packed sequences (what its prepare_varlen returns), counted on
+    the host copy of cu_seqlens: cu_seqlens_cpu when given, else one copied here.
 
-    Counted on cu_seqlens_cpu when given (no device synchronisation), else on cu_seqlens (one).
     FLA's own chunk_indices table ([NC, 2] (sequence, chunk) pairs) says nothing the count does
     not, so it is only checked against it: a table made for another chunk size would send the
     kernels past the sequences' ends."""
     if cu_seqlens_cpu is None:
-        chunks = module.prepare_varlen(cu_seqlens, chunk_size)
-    else:
-        if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
-            _fail(fn, "cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens)")
-        if cu_seqlens_cpu.shape != cu_seqlens.shape:
-            _fail(fn, f"cu_seqlens_cpu must have cu_seqlens's shape {list(cu_seqlens.shape)}, got {list(cu_seqlens_cpu.shape)}")
-        host = module.prepare_varlen(cu_seqlens_cpu, chunk_size)
-        chunks = module.VarlenChunks(host.indices.to(q.device, non_blocking=True), host.offsets.to(q.device, non_blocking=True),
-                                     chunk_size, host.num_tokens, cu_seqlens)
+        cu_seqlens_cpu = cu_seqlens.cpu()  # the one synchronisation
+    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+        _fail(fn, "cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens)")
+    if cu_seqlens_cpu.shape != cu_seqlens.shape:
+        _fail(fn, f"cu_seqlens_cpu must have cu_seqlens's shape {list(cu_seqlens.shape)}, got {list(cu_seqlens_cpu.shape)}")
+    chunks = module.prepare_varlen(cu_seqlens, chunk_size, cu_seqlens_cpu)
     if chunk_indices is not None:
         if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
             _fail(fn, "chunk_indices must be a [NC, 2] tensor of (sequence, chunk) pairs")

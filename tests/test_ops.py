@@ -185,8 +185,7 @@ def test_varlen_cu_seqlens_cpu_chunk_size_and_fla_chunk_indices(generator, devic
 def test_default_chunk_size_is_lrdsl_s_and_the_backward_chooses_its_own(packed, generator, device, monkeypatch):
     """Without chunk_size (FLA takes 64 always) chunk() picks its own: the largest that fits, and a
     backward recomputing at BACKWARD_CHUNK_SIZE (what its kernels' registers hold), with cu_seqlens
-    alone too; cu_seqlens_cpu (chunks counted on the host) keeps the forward's size. Gradients
-    match the oracle either way."""
+    alone too. Gradients match the oracle."""
     lengths = [3, 70, 27]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
     tensors = make_inputs(generator, "log", "given", T=100, N=len(lengths) if packed else None)
@@ -205,11 +204,68 @@ def test_default_chunk_size_is_lrdsl_s_and_the_backward_chooses_its_own(packed, 
     ((o2 * 0.5).sum() + ht2.sum()).backward()
     for name in x:
         assert relative_error(x[name].grad, ref[name].grad) <= TOL, name
-    if packed:
-        sizes.clear()
-        o, ht = call_chunk(leaves(tensors, device), "log", "given", cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
-        (o.float().sum() + ht.sum()).backward()
-        assert sizes == [module.largest_chunk_size(16)]
+
+
+@pytest.mark.parametrize("host", ["cu_seqlens_cpu", "fla_chunk_indices"])
+def test_host_counted_chunks_leave_the_backward_its_own_chunk_size(host, generator, device, monkeypatch):
+    """With cu_seqlens_cpu (or FLA's chunk_indices, counted on one host copy of cu_seqlens) and no
+    chunk_size, the forward runs at the largest chunk size and the backward at BACKWARD_CHUNK_SIZE,
+    every chunk of both counted on the host copy; gradients match the oracle. With chunk_size the
+    backward keeps it."""
+    lengths = [3, 70, 0, 27]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
+    tensors = make_inputs(generator, "log", "given", T=100, N=len(lengths))
+    module = ops.spec_module("log", "given")
+    largest, backward_size = module.largest_chunk_size(16), module.BACKWARD_CHUNK_SIZE["input"]
+    assert backward_size < largest
+    sizes, backward = [], module._chunk_backward
+    monkeypatch.setattr(module, "_chunk_backward", lambda c, *rest: sizes.append(c["BT"]) or backward(c, *rest))
+    counted, count = [], module._count_chunks
+    monkeypatch.setattr(module, "_count_chunks", lambda cu_seqlens, size: counted.append((cu_seqlens.device.type, size))
+                        or count(cu_seqlens, size))
+    cu_device = cu.to(device)
+    if host == "cu_seqlens_cpu":
+        packing = dict(cu_seqlens=cu_device, cu_seqlens_cpu=cu)
+    else:  # FLA's table of (sequence, chunk) pairs at the largest chunk size
+        fla_indices = module.prepare_varlen(cu, largest).indices.long()
+        packing = dict(cu_seqlens=cu_device, chunk_indices=fla_indices.to(device))
+        counted.clear()
+    x = leaves(tensors, device)
+    o, ht = call_chunk(x, "log", "given", **packing)
+    ((o * 0.5).sum() + ht.sum()).backward()
+    assert sizes == [backward_size]
+    assert counted == [("cpu", largest), ("cpu", backward_size)]
+    ref = leaves({n: v.double() for n, v in tensors.items()})
+    (o_ref, ht_ref), _ = oracle(ref, "log", "given", output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    ((o_ref * 0.5).sum() + ht_ref.sum()).backward()
+    assert relative_error(o, o_ref) <= TOL and relative_error(ht, ht_ref) <= TOL
+    for name in x:
+        assert relative_error(x[name].grad, ref[name].grad) <= TOL, name
+    sizes.clear()
+    o, ht = call_chunk(leaves(tensors, device), "log", "given", chunk_size=largest, **packing)
+    (o.sum() + ht.sum()).backward()
+    assert sizes == [largest]
+
+
+def test_host_copy_of_cu_seqlens_is_checked(generator, device):
+    """A cu_seqlens_cpu that cannot be cu_seqlens's host copy is refused in one line, by ops and by
+    the module's prepare_varlen; one that is gives the chunks counted on the device."""
+    module = ops.spec_module("log", "given")
+    cu = torch.tensor([0, 3, 3, 40], dtype=torch.int64)
+    counted, on_device = module.prepare_varlen(cu, 16, cu), module.prepare_varlen(cu.to(device), 16)
+    for chunks in (counted, on_device):
+        assert (chunks.indices.tolist(), chunks.offsets.tolist()) == ([[0, 0], [2, 0], [2, 1], [2, 2]], [0, 1, 1, 4])
+        assert (chunks.chunk_size, chunks.num_tokens) == (16, 40)
+    assert counted.cu_seqlens_cpu is cu and on_device.cu_seqlens_cpu is None
+    with pytest.raises(module.InputError, match=r"^fla_gdn.prepare_varlen: cu_seqlens_cpu must be the host copy of cu_seqlens: "
+                                                r"a CPU tensor \[4\], got a cpu tensor \[3\]$"):
+        module.prepare_varlen(cu.to(device), 16, cu[:3])
+    with pytest.raises(module.InputError, match=r"^fla_gdn.prepare_varlen: cu_seqlens_cpu must be int32 or int64, got torch.float32$"):
+        module.prepare_varlen(cu.to(device), 16, cu.float())
+    tensors = on(device, make_inputs(generator, "log", "given", T=40, N=3))
+    with pytest.raises(ops.OptionError, match=r"cu_seqlens_cpu must have cu_seqlens's shape \[4\], got \[3\]$"):
+        call_chunk(tensors, "log", "given", cu_seqlens=cu.to(device), cu_seqlens_cpu=cu[:3])
+
 
 def test_spec_per_flag_combination_is_written_and_cached():
     name, text = ops.spec_text("in_kernel", "2sigmoid", has_dt_bias=True)

@@ -164,6 +164,35 @@ def test_varlen_cu_seqlens_and_cu_seqlens_cpu(generator, device):
         assert relative_error(ht, ht_ref) <= TOL
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_disable_recompute_keeps_what_the_backward_reads(packed, generator, device, monkeypatch):
+    """FLA's disable_recompute=True (keep every activation the backward reads) is chunk()'s
+    save_policy "save": the backward re-runs no forward kernel, at the forward's chunk size, and
+    its gradients still match the oracle; False is the default, "recompute"."""
+    lengths = [5, 0, 30]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
+    gate, beta = "in_kernel_dt_bias", "sigmoid"
+    packing = dict(cu_seqlens=cu) if packed else {}
+    tensors = make_inputs(generator, gate, beta, T=35, HV=2, N=len(lengths) if packed else None)
+    module = ops.spec_module("in_kernel", "sigmoid", True, decay="key_channel")
+    calls, backward = [], module._chunk_backward
+    monkeypatch.setattr(module, "_chunk_backward",
+                        lambda c, plan, policy, kept, *rest: calls.append((c["BT"], policy, sorted(kept)))
+                        or backward(c, plan, policy, kept, *rest))
+    x_ref = leaves(tensors)
+    outputs_ref = oracle(x_ref, gate, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, **packing)
+    x = leaves(tensors, device)
+    outputs = call_chunk(x, gate, beta, chunk_size=32, disable_recompute=True, **on(device, packing))
+    assert_gradients(generator, device, x, x_ref, outputs, outputs_ref)
+    plan = module.DEFAULT_CHUNK_PLAN
+    assert module.SAVE_POLICIES["save"]["rerun"][plan] == ()  # nothing recomputed
+    assert calls == [(32, "save", sorted(module.SAVE_POLICIES["save"]["kept"][plan]))]
+    calls.clear()
+    o, ht = call_chunk(leaves(tensors, device), gate, beta, chunk_size=32, disable_recompute=False, **on(device, packing))
+    (o.sum() + ht.sum()).backward()
+    assert calls == [(32, "recompute", [])]
+
+
 def test_chunk_state_v_first_against_the_oracle(generator, device):
     """state_v_first=True: the kernels read the initial state and write the final one [N, HV, V,
     K]; outputs, final state and every gradient (the initial state's in that layout) against the
@@ -218,7 +247,7 @@ def test_unsupported_options_raise(generator, device):
     cases = [
         (lambda: chunk(q, k, v, g, beta, safe_gate=True), r"safe_gate .* is not supported, got safe_gate=True"),
         (lambda: chunk(q, k, v, g, beta, lower_bound=-5.0), r"lower_bound .* is not supported, got lower_bound=-5.0"),
-        (lambda: chunk(q, k, v, g, beta, disable_recompute=True), "disable_recompute .* is not supported"),
+        (lambda: chunk(q, k, v, g, beta, disable_recompute="yes"), "disable_recompute must be True or False, got 'yes'"),
         (lambda: chunk(q, k, v, g, beta, return_intermediate_states=True),
          "return_intermediate_states .* is not supported"),
         (lambda: chunk(q, k, v, g, beta, cp_context=object()), "cp_context .* is not supported"),

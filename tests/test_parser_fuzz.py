@@ -1,7 +1,10 @@
 """`lrdsl compile` on generated specs: valid ones, nearly valid ones (one or two mutations of a
 valid one) and garbage. Each must either compile to a whole module, or print one line naming the
 file, the line and (unless the TOML itself is broken) the key, with exit status 2: never a
-traceback, never a half-written output file.
+traceback, never a half-written output file. Every update is drawn, the diagonal-plus-low-rank
+one (dplr) too, whose mutations give dplr without a low-rank formula or with another gate,
+low-rank formulas beside another update, low-rank formulas reading no per-key-channel input or
+the head index, and broken formula text.
 
 The CLI's main() runs in-process for speed (hypothesis, fixed seed, bounded examples); a few
 subprocess runs check the same thing through the real command.
@@ -27,7 +30,8 @@ FUZZ = dict(derandomize=True, database=None, deadline=None, suppress_health_chec
 
 # keys lrdsl may name although the spec does not spell them (a missing required key)
 SCHEMA_KEYS = {"name", "summary", "recurrence", "recurrence.update", "recurrence.gate", "inputs", "formulas",
-               "formulas.log_decay", "formulas.beta"}
+               "formulas.log_decay", "formulas.beta", "formulas.low_rank_read", "formulas.low_rank_write"}
+FORMULA_KEYS = ["log_decay", "beta", "low_rank_read", "low_rank_write"]
 
 
 # -- valid specs ------------------------------------------------------------------------------------
@@ -35,19 +39,28 @@ SCHEMA_KEYS = {"name", "summary", "recurrence", "recurrence.update", "recurrence
 @st.composite
 def valid_specs(draw) -> list[str]:
     """The lines of a valid spec: every gate kind and update (aliases included), inputs of every
-    role feeding in-kernel formulas, tables in either order, comments, both quote styles."""
+    role feeding in-kernel formulas, tables in either order, comments, both quote styles. The dplr
+    update (diagonal plus low rank) takes a key-channel gate and two low-rank formulas, which read
+    per-key-channel inputs of their own, the gate's input, or per-token and per-head ones beside."""
     quote = draw(st.sampled_from(['"', "'"]))
 
     def text(value: str) -> str:
         return f"{quote}{value}{quote}" if quote not in value else f'"{value}"'
 
-    gate = draw(st.sampled_from(["none", "scalar", "constant", "key_channel", "const", "key-channel", "Scalar"]))
-    update = draw(st.sampled_from(["delta", "plain", "delta_rule", "additive", "Delta"]))
+    update = draw(st.sampled_from(["delta", "plain", "delta_rule", "additive", "Delta", "dplr", "diagonal_plus_low_rank",
+                                   "DPLR", "diagonal-plus-low-rank"]))
+    low_rank = update.lower().replace("-", "_") in ("dplr", "diagonal_plus_low_rank")
+    if low_rank:  # its decay is per key channel
+        gate = draw(st.sampled_from(["key_channel", "key-channel", "channel", "per_key"]))
+    else:
+        gate = draw(st.sampled_from(["none", "scalar", "constant", "key_channel", "const", "key-channel", "Scalar"]))
     gate_input = draw(st.sampled_from(["g", "a", "gk", "w", "decay"]))
     beta_input = draw(st.sampled_from(["b", "beta", "bw", "s"]))
     inputs: dict[str, str] = {}
     formulas: dict[str, str] = {}
     kind = gate.lower().replace("-", "_")
+    if kind in ("channel", "per_key"):
+        kind = "key_channel"
     if kind == "scalar":
         inputs[gate_input] = "token"
         formulas["log_decay"] = draw(st.sampled_from([gate_input, f"-softplus({gate_input})", f"logsigmoid({gate_input})",
@@ -68,6 +81,8 @@ def valid_specs(draw) -> list[str]:
         inputs[beta_input], formulas["beta"] = "token", beta_input
     elif beta == "head":
         inputs[beta_input], formulas["beta"] = "head", f"sigmoid({beta_input})"
+    if low_rank:
+        formulas.update(draw(low_rank_formulas(inputs, gate_input)))
 
     name = draw(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True))
     head = [f"name = {text(name)}"]
@@ -87,14 +102,40 @@ def valid_specs(draw) -> list[str]:
     return lines
 
 
+LOW_RANK_FORMS = ["{x}", "-{x}", "sigmoid({x})", "0.5 * tanh({x})", "-exp({x})", "{x} / (1 + {x}**2)", "{x}**2"]
+
+
+@st.composite
+def low_rank_formulas(draw, inputs: dict[str, str], gate_input: str) -> dict[str, str]:
+    """formulas.low_rank_read and low_rank_write (a_t, b_t of the dplr update), declaring in
+    `inputs` what they read: each a per-key-channel input of its own (token_key or head_key) or the
+    gate's, sometimes times a per-token or per-head input already declared."""
+    formulas = {}
+    for key, own in (("low_rank_read", "ra"), ("low_rank_write", "wb")):
+        name = draw(st.sampled_from([own, "kk", gate_input]))  # kk: both formulas may read one input
+        if name not in inputs:
+            inputs[name] = draw(st.sampled_from(["token_key", "head_key"]))
+        text = draw(st.sampled_from(LOW_RANK_FORMS)).format(x=name)
+        per_token_or_head = [n for n, role in inputs.items() if role in ("token", "head")]
+        if per_token_or_head and draw(st.booleans()):
+            text = f"({text}) * sigmoid({draw(st.sampled_from(per_token_or_head))})"
+        formulas[key] = text
+    return formulas
+
+
 # -- nearly valid specs: a valid one with one or two mutations ---------------------------------------
 
 WRONG_VALUES = ["1", "true", "[1, 2]", "{ x = 1 }", '""', '"???"', "1.5", '"diagonal"', "'token_key'", '"h"',
                 '"q"', '"exp(q)"', '"log_decay"', '"softplus("', '"foo(a)"', '"a +"', '"1/0"', '"sqrt(-1)"',
                 '"import os"', '"__import__(\'os\')"', '"lambda x: x"', '"a if a else b"', '"a[0]"', '"a.b"',
-                '"1e400"', '"exp(1e400)"', '"-0"', '"nan"', '"oo"', '"I"', '"h * a"', '"2**62"', '"(a"']
+                '"1e400"', '"exp(1e400)"', '"-0"', '"nan"', '"oo"', '"I"', '"h * a"', '"2**62"', '"(a"',
+                '"token"', '"head"', '"head_key"', '"dplr"', '"h * ra"', '"kk + 1"']
 ODD_KEYS = ["gates", "updat", "formula", "log-decay", "bet", "chunk", "q", "k", "scale", "b_x", "1a", "def",
-            '"a b"', "ñame", "名前", "h", "inputs", "recurrence"]
+            '"a b"', "ñame", "名前", "h", "inputs", "recurrence", "low_rank", "low-rank-read", "lowrank_write",
+            "low_rank_reads"]
+# every value recurrence.update and recurrence.gate take, in some spelling
+RULES = {"update": ["delta", "plain", "dplr", "diagonal_plus_low_rank"],
+         "gate": ["none", "scalar", "constant", "key_channel", "channel"]}
 # Formula fragments. At most one power per formula: lrdsl hangs on a chain of numeric powers
 # such as 9**9**9 (sympy evaluates the integer exactly); that is a separate, reported issue.
 FRAGMENTS = ["a", "b", "g", "h", "x", "exp(", "log(", "softplus(", "sigmoid(", "tanh(", "sqrt(", "foo(", "(", ")",
@@ -115,7 +156,7 @@ def mutations(draw, lines: list[str]) -> list[str]:
     at = draw(st.integers(0, len(lines) - 1))
     assignment = re.match(r"(\s*)([^=\s]+)(\s*=\s*)(.*)", lines[at])
     kind = draw(st.sampled_from(["drop", "duplicate", "swap", "value", "key", "extra", "formula", "break", "table",
-                                 "inline", "dotted"]))
+                                 "inline", "dotted", "rule", "edit"]))
     if kind == "drop":
         del lines[at]
     elif kind == "duplicate":
@@ -131,8 +172,21 @@ def mutations(draw, lines: list[str]) -> list[str]:
         lines.insert(at, f"{draw(st.sampled_from(ODD_KEYS))} = {draw(st.sampled_from(WRONG_VALUES))}")
     elif kind == "formula":
         fragments = draw(st.lists(st.sampled_from(FRAGMENTS), max_size=12).filter(lambda f: f.count("**") <= 1))
-        key = draw(st.sampled_from(["log_decay", "beta"]))
+        key = draw(st.sampled_from(FORMULA_KEYS))
         lines += ["[formulas]" if "[formulas]" not in lines else "", f'{key} = "{"".join(fragments)}"']
+    elif kind == "rule":  # another update or gate: dplr without its formulas, low-rank ones without dplr, ...
+        key = draw(st.sampled_from(sorted(RULES)))
+        found = [i for i, line in enumerate(lines) if re.match(rf"\s*{key}\s*=", line)]
+        if found:
+            lines[found[0]] = f'{key} = "{draw(st.sampled_from(RULES[key]))}"'
+    elif kind == "edit":  # a fragment inserted into a formula's text
+        found = [i for i, line in enumerate(lines) if re.match(rf"\s*({'|'.join(FORMULA_KEYS)})\s*=\s*[\"']", line)]
+        if found:
+            i = draw(st.sampled_from(found))
+            opening = re.search(r"[\"']", lines[i]).start()  # inside the quotes, the closing one's place included
+            cut = draw(st.integers(opening + 1, len(lines[i]) - 1))
+            fragment = draw(st.sampled_from([f for f in FRAGMENTS if f != "**"]))
+            lines[i] = lines[i][:cut] + fragment + lines[i][cut:]
     elif kind == "break":
         cut = draw(st.integers(0, max(0, len(lines[at]) - 1)))
         lines[at] = lines[at][:cut]

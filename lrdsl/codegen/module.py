@@ -102,7 +102,7 @@ def emit_module(stages: dict, spec_path: str) -> str:
         f"verify({signature(_positional(rec), VERIFY_OPTIONS)}) -> (o, Draft)",
         "commit(draft, num_accepted, validate=True)",
         f"chunk({signature(_positional(rec), CHUNK_OPTIONS)}) -> (o, final_state | None)   [differentiable]",
-        "prepare_varlen(cu_seqlens, chunk_size=64) -> VarlenChunks, for chunk(..., chunk_indices=)",
+        "prepare_varlen(cu_seqlens, chunk_size=64, cu_seqlens_cpu=None) -> VarlenChunks, for chunk(..., chunk_indices=)",
     ]
     sections = [emit_recurrent_section(stages["step"]), emit_chunk_section(plans, _positional(rec))]
     sections.append(render(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import sympy
 
@@ -83,10 +84,17 @@ class Formula(ChunkOp):
     expr: sympy.Expr
 
     def args(self):
-        return tuple(sorted(str(s) for s in self.expr.free_symbols))
+        return _symbol_names(self.expr)
 
     def describe(self):
         return str(self.expr)
+
+
+@lru_cache(maxsize=4096)
+def _symbol_names(expr: sympy.Expr) -> tuple[str, ...]:
+    """The names `expr` reads, sorted. Cached: codegen asks every op for its arguments again and
+    again (which values read which), and printing sympy symbols is slow."""
+    return tuple(sorted(str(s) for s in expr.free_symbols))
 
 
 @dataclass(frozen=True)
@@ -371,10 +379,12 @@ class ChunkProgram:
     direction: str = "forward"  # "backward": the entry state is dH of the next chunk, the scan runs in reverse
 
     def op(self, name: str) -> ChunkOp:
-        for op in self.ops:
-            if op.out == name:
-                return op
-        raise KeyError(name)
+        return self._ops_by_name[name]
+
+    @cached_property
+    def _ops_by_name(self) -> dict[str, ChunkOp]:
+        """Each value's op (values are SSA: one op each), for codegen's many look-ups."""
+        return {op.out: op for op in self.ops}
 
     def shape(self, name: str) -> Shape:
         return self.op(name).shape
