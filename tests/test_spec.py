@@ -150,6 +150,12 @@ def test_formula_undeclared_name():
     assert "formulas.log_decay" in message and "undeclared name 'alpha'" in message
 
 
+@pytest.mark.parametrize("constant", ["1e400", "-4e38"])
+def test_formula_constant_beyond_fp32(constant):
+    message = error_of(GOOD.replace('log_decay = "g"', f'log_decay = "g * {constant}"'))
+    assert "mixer.toml:13:" in message and "formulas.log_decay" in message and "beyond fp32's range" in message
+
+
 def test_formula_unknown_function():
     message = error_of(GOOD.replace('log_decay = "g"', 'log_decay = "relu(g)"'))
     assert "formulas.log_decay" in message and "unknown function 'relu'" in message

@@ -88,6 +88,10 @@ HEAD_INDEX = sympy.Symbol("h")  # the value-head index, 0 .. HV-1 (for constant 
 RESERVED = {"h": HEAD_INDEX}
 
 
+# The largest finite fp32 value: the kernels' arithmetic type for every input dtype but fp64.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 class FormulaSyntaxError(ValueError):
     """The text is not a formula lrdsl understands; the message says why in one line."""
 
@@ -132,6 +136,13 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
         )
     if expr.has(sympy.I, sympy.zoo, sympy.nan, sympy.oo):
         raise FormulaSyntaxError(f"formula {text!r} is not a finite real expression")
+    # sympy keeps 1e400 exactly; the kernels compute in fp32, where it is inf
+    beyond = sorted(float(n) for n in expr.atoms(sympy.Number) if abs(float(n)) > FLOAT32_MAX)
+    if beyond:
+        raise FormulaSyntaxError(
+            f"formula {text!r} has the constant {beyond[0]:.3g}, beyond fp32's range (|x| <= 3.4e38): "
+            "the kernels would compute inf"
+        )
     return expr
 
 
