@@ -4,7 +4,8 @@ decode on a state pool (fp32 and bf16 state) and verify of 4 draft tokens, 16/32
     python scripts/sweep_decode.py [SPEC] [--batch 256] [--blocks 16,32,64,128] [--warps 1,2,4,8]
 
 Each setting is a module generated with lrdsl.codegen.module's RECURRENT_BLOCK_V and
-RECURRENT_NUM_WARPS set to it (the shipped setting is those two constants); each setting's
+RECURRENT_STATE_VALUES_PER_THREAD set so that the K = 128 state launches with those warps (the
+shipped setting is what those two constants give at K = 128); each setting's
 outputs must equal the shipped setting's to 1e-5 (the state update is the same arithmetic).
 Prints µs per call and TB/s of state traffic (decode: each row read and written once; verify:
 read once), best first per call.
@@ -42,14 +43,26 @@ def numbers(text: str, option: str) -> list[int]:
     return values
 
 
+HEAD_DIM = 128  # K = V of the swept shapes
+
+
+def shipped_setting() -> tuple[int, int]:
+    """(BV, warps) the shipped rule gives the K = 128 state."""
+    block_v = module_emitter.RECURRENT_BLOCK_V
+    values = HEAD_DIM * block_v // (32 * module_emitter.RECURRENT_STATE_VALUES_PER_THREAD)
+    return block_v, min(8, max(1, values))
+
+
 def generate(spec: str, block_v: int, warps: int, directory: Path):
-    """The spec's module with the recurrent kernel launched at (block_v, warps)."""
-    shipped = module_emitter.RECURRENT_BLOCK_V, module_emitter.RECURRENT_NUM_WARPS
-    module_emitter.RECURRENT_BLOCK_V, module_emitter.RECURRENT_NUM_WARPS = block_v, warps
+    """The spec's module with the recurrent kernel launched at (block_v, warps) for K = 128: the
+    rule's values per thread set to what `warps` warps hold of a 128 x block_v tile."""
+    shipped = module_emitter.RECURRENT_BLOCK_V, module_emitter.RECURRENT_STATE_VALUES_PER_THREAD
+    values_per_thread = max(1, HEAD_DIM * block_v // (32 * warps))
+    module_emitter.RECURRENT_BLOCK_V, module_emitter.RECURRENT_STATE_VALUES_PER_THREAD = block_v, values_per_thread
     try:
         source = module_emitter.emit_module(run_pipeline(load_spec_by_name(spec)), spec_path=spec)
     finally:
-        module_emitter.RECURRENT_BLOCK_V, module_emitter.RECURRENT_NUM_WARPS = shipped
+        module_emitter.RECURRENT_BLOCK_V, module_emitter.RECURRENT_STATE_VALUES_PER_THREAD = shipped
     file = directory / f"sweep_{block_v}_{warps}.py"
     file.write_text(source)
     return import_file(file, f"lrdsl_sweep_{block_v}_{warps}", source)
@@ -81,7 +94,7 @@ def main(argv=None) -> int:
     row_bytes = args.batch * 32 * 128 * 128
     calls = {"pool fp32": (torch.float32, 2), "pool bf16": (torch.bfloat16, 2), "verify": (torch.float32, 1)}
     results, reference_outputs = [], {}
-    shipped = (module_emitter.RECURRENT_BLOCK_V, module_emitter.RECURRENT_NUM_WARPS)
+    shipped = shipped_setting()
     settings = [shipped] + [(b, w) for b in blocks for w in warps if (b, w) != shipped]
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         for block_v, warp_count in settings:
