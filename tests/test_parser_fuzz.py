@@ -72,7 +72,7 @@ def valid_specs(draw) -> list[str]:
         formulas["log_decay"] = draw(st.sampled_from([gate_input, f"-softplus({gate_input})", f"logsigmoid({gate_input})"]))
     elif kind in ("constant", "const"):
         formulas["log_decay"] = draw(st.sampled_from(["log(1 - 2**(-5 - h))", "-0.5", f"-exp({gate_input})"]))
-        if gate_input in formulas["log_decay"]:
+        if re.search(rf"\b{gate_input}\b", formulas["log_decay"]):  # a name, not a substring: "g" is in "log"
             inputs[gate_input] = "head"
     beta = draw(st.sampled_from([None, "token", "direct", "head"]))
     if beta == "token":

@@ -8,6 +8,9 @@ sympy with a closed vocabulary of functions so that the same expression can be
 """
 from __future__ import annotations
 
+import io
+import tokenize
+
 import sympy
 from sympy.core.evalf import prec_to_dps
 from sympy.core.function import AppliedUndef
@@ -136,14 +139,20 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
         )
     if expr.has(sympy.I, sympy.zoo, sympy.nan, sympy.oo):
         raise FormulaSyntaxError(f"formula {text!r} is not a finite real expression")
-    # sympy keeps 1e400 exactly; the kernels compute in fp32, where it is inf
-    beyond = sorted(float(n) for n in expr.atoms(sympy.Number) if abs(float(n)) > FLOAT32_MAX)
+    # a number written beyond fp32's range (sympy keeps 1e400 exactly) is inf in the kernels
+    beyond = [n for n in written_numbers(text) if abs(float(n)) > FLOAT32_MAX]
     if beyond:
         raise FormulaSyntaxError(
-            f"formula {text!r} has the constant {beyond[0]:.3g}, beyond fp32's range (|x| <= 3.4e38): "
+            f"formula {text!r} writes the number {beyond[0]}, beyond fp32's range (|x| <= 3.4e38): "
             "the kernels would compute inf"
         )
     return expr
+
+
+def written_numbers(text: str) -> list[str]:
+    """The numeric literals of a formula's text as written (the text has parsed already)."""
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    return [token.string for token in tokens if token.type == tokenize.NUMBER]
 
 
 def as_real(expr: sympy.Expr) -> sympy.Expr:
