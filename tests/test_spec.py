@@ -150,7 +150,7 @@ def test_formula_undeclared_name():
     assert "formulas.log_decay" in message and "undeclared name 'alpha'" in message
 
 
-@pytest.mark.parametrize("constant", ["1e400", "-4e38"])
+@pytest.mark.parametrize("constant", ["1e400", "-4e38", "0x1" + "0" * 40])
 def test_formula_constant_beyond_fp32(constant):
     message = error_of(GOOD.replace('log_decay = "g"', f'log_decay = "g * {constant}"'))
     assert "mixer.toml:13:" in message and "formulas.log_decay" in message and "beyond fp32's range" in message

@@ -8,6 +8,7 @@ sympy with a closed vocabulary of functions so that the same expression can be
 """
 from __future__ import annotations
 
+import ast
 import io
 import tokenize
 
@@ -140,7 +141,7 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
     if expr.has(sympy.I, sympy.zoo, sympy.nan, sympy.oo):
         raise FormulaSyntaxError(f"formula {text!r} is not a finite real expression")
     # a number written beyond fp32's range (sympy keeps 1e400 exactly) is inf in the kernels
-    beyond = [n for n in written_numbers(text) if abs(float(n)) > FLOAT32_MAX]
+    beyond = [n for n in written_numbers(text) if abs(ast.literal_eval(n)) > FLOAT32_MAX]  # 0x10, 1_000 too
     if beyond:
         raise FormulaSyntaxError(
             f"formula {text!r} writes the number {beyond[0]}, beyond fp32's range (|x| <= 3.4e38): "
