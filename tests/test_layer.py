@@ -19,7 +19,7 @@ from lrdsl import reference
 from lrdsl.errors import LrdslError
 from lrdsl.integrations import patch_qwen35, unpatch
 from lrdsl.layers import GatedDeltaNet, GatedDeltaNetCache
-from lrdsl.layers.gated_deltanet import CONFIG_ATTRIBUTES, RECURRENCE_SPEC
+from lrdsl.layers.gated_deltanet import CONFIG_ATTRIBUTES, RECURRENCE_SPEC, cached_state
 from lrdsl.layers.kernels import layer_kernels
 from lrdsl.specs_registry import resolve_spec
 from lrdsl.workloads import TOLERANCE, relative_error
@@ -146,9 +146,29 @@ def test_prefill_output_and_every_gradient(generator, device):
         assert relative_error(got[name], transformers_grads[name]) <= TOL, f"d{name} vs transformers"
 
 
+class EarlierTransformersCache:
+    """What transformers 5.17 / 5.18's DynamicCache offers a layer: update_conv_state and
+    update_recurrent_state, has_previous_state, the states on cache.layers[i], and no
+    get_conv_state / get_recurrent_state (a wrapper around today's DynamicCache hiding them)."""
+
+    def __init__(self, cache):
+        self._cache, self.layers = cache, cache.layers
+
+    def has_previous_state(self, layer_idx=None):
+        return self._cache.has_previous_state(layer_idx)
+
+    def update_conv_state(self, *args, **kwargs):
+        return self._cache.update_conv_state(*args, **kwargs)
+
+    def update_recurrent_state(self, *args, **kwargs):
+        return self._cache.update_recurrent_state(*args, **kwargs)
+
+
 def test_prefill_then_decode_equals_one_prefill(generator, device):
     """Prefill 5 tokens, a second multi-token call of 3 against the cache, then 3 one-token steps
-    == one call of all 11; with our cache and with transformers' DynamicCache, against transformers."""
+    == one call of all 11; with our cache and with transformers' DynamicCache, against transformers
+    (fed a prefill of 8 and the same steps: transformers 5.17 restarts a multi-token call from zero
+    state instead of continuing its cache)."""
     ours, theirs = layer_pair(generator, device)
     x = torch.randn(2, 11, 32, generator=generator)
     on_device = x.to(device)
@@ -159,14 +179,18 @@ def test_prefill_then_decode_equals_one_prefill(generator, device):
         ours_cache, hf_cache_ours, hf_cache_theirs = GatedDeltaNetCache(), DynamicCache(config=tiny_config()), DynamicCache(config=tiny_config())
         stepped = torch.cat([ours(part, cache=ours_cache) for part in parts], dim=1)
         stepped_hf_cache = torch.cat([ours(part, cache=hf_cache_ours) for part in parts], dim=1)
-        stepped_theirs = torch.cat([theirs(part, cache=hf_cache_theirs) for part in parts], dim=1)
+        earlier_cache = EarlierTransformersCache(DynamicCache(config=tiny_config()))
+        stepped_earlier_cache = torch.cat([ours(part, cache=earlier_cache) for part in parts], dim=1)
+        theirs_parts = [on_device[:, :8]] + parts[2:]
+        stepped_theirs = torch.cat([theirs(part, cache=hf_cache_theirs) for part in theirs_parts], dim=1)
     assert relative_error(stepped, whole) <= TOL
     assert relative_error(stepped_hf_cache, whole) <= TOL
+    assert relative_error(stepped_earlier_cache, whole) <= TOL
     assert relative_error(stepped, stepped_theirs) <= TOL
-    for cache in (ours_cache, hf_cache_ours):
-        assert relative_error(cache.get_conv_state(0), window_ref) <= 1e-6
-        assert relative_error(cache.get_recurrent_state(0), state_ref) <= TOL
-    assert relative_error(hf_cache_ours.get_recurrent_state(0), hf_cache_theirs.get_recurrent_state(0)) <= TOL
+    for cache in (ours_cache, hf_cache_ours, earlier_cache):
+        assert relative_error(cached_state(cache, 0, "conv"), window_ref) <= 1e-6
+        assert relative_error(cached_state(cache, 0, "recurrent"), state_ref) <= TOL
+    assert relative_error(cached_state(hf_cache_ours, 0, "recurrent"), cached_state(hf_cache_theirs, 0, "recurrent")) <= TOL
 
 
 def test_decode_step_with_gradients_enabled(generator, device):
@@ -181,7 +205,7 @@ def test_decode_step_with_gradients_enabled(generator, device):
     with_grad = ours(x[:, 5:].clone().requires_grad_(True), cache=caches[1])
     assert with_grad.requires_grad
     assert relative_error(with_grad, without) <= 1e-6
-    assert torch.equal(caches[0].get_conv_state(0), caches[1].get_conv_state(0))
+    assert torch.equal(cached_state(caches[0], 0, "conv"), cached_state(caches[1], 0, "conv"))
 
 
 def test_padded_batch(generator, device):
@@ -207,8 +231,8 @@ def test_padded_batch(generator, device):
     got, expected = grads(ours, x_ours, out, seed), grads(theirs, x_theirs, out_theirs, seed)
     for name in got:
         assert relative_error(got[name], expected[name]) <= TOL, f"d{name}"
-    assert relative_error(ours_cache.get_recurrent_state(0), theirs_cache.get_recurrent_state(0)) <= TOL
-    assert relative_error(ours_cache.get_conv_state(0), theirs_cache.get_conv_state(0)) <= 1e-6
+    assert relative_error(cached_state(ours_cache, 0, "recurrent"), cached_state(theirs_cache, 0, "recurrent")) <= TOL
+    assert relative_error(cached_state(ours_cache, 0, "conv"), cached_state(theirs_cache, 0, "conv")) <= 1e-6
 
     exact = double_copy(ours)
     cache = GatedDeltaNetCache()
@@ -218,8 +242,8 @@ def test_padded_batch(generator, device):
             alone, window, state = oracle(exact, x[row : row + 1, :n].double())
             assert relative_error(out[row, :n], alone[0]) <= TOL
             assert torch.count_nonzero(out[row, n:]) == 0
-            assert relative_error(cache.get_conv_state(0)[row], window[0]) <= 1e-6
-            assert relative_error(cache.get_recurrent_state(0)[row], state[0]) <= TOL
+            assert relative_error(cached_state(cache, 0, "conv")[row], window[0]) <= 1e-6
+            assert relative_error(cached_state(cache, 0, "recurrent")[row], state[0]) <= TOL
         # the same rows packed into one batch row, as transformers passes packed sequences
         packed = torch.cat([x[row, :n] for row, n in enumerate(lengths)])[None].to(device)
         cu_seqlens = torch.tensor([0, 9, 13, 14], dtype=torch.int32, device=device)
@@ -406,7 +430,7 @@ def test_gpu_fp32_whole_layer(generator, device):
         padded_theirs = theirs(on_device, cache=caches[1], attention_mask=mask)
     assert report("fp32 layer: left-padded batch vs transformers", relative_error(padded, padded_theirs)) <= TOL
     assert report("fp32 layer: left-padded cached state vs transformers",
-                  relative_error(caches[0].get_recurrent_state(0), caches[1].get_recurrent_state(0))) <= TOL
+                  relative_error(cached_state(caches[0], 0, "recurrent"), cached_state(caches[1], 0, "recurrent"))) <= TOL
 
 
 @pytest.mark.gpu
@@ -439,6 +463,6 @@ def test_gpu_bf16_whole_layer_no_less_accurate_than_transformers(generator, devi
     error = report("bf16 layer: prefill + decode vs oracle (lrdsl)", relative_error(stepped[0], whole))
     bound = report("bf16 layer: prefill + decode vs oracle (transformers)", relative_error(stepped[1], whole))
     assert error <= max(BF16_TOL, 1.1 * bound)
-    error = report("bf16 layer: cached state vs oracle (lrdsl)", relative_error(caches[0].get_recurrent_state(0), state))
-    bound = report("bf16 layer: cached state vs oracle (transformers)", relative_error(caches[1].get_recurrent_state(0), state))
+    error = report("bf16 layer: cached state vs oracle (lrdsl)", relative_error(cached_state(caches[0], 0, "recurrent"), state))
+    bound = report("bf16 layer: cached state vs oracle (transformers)", relative_error(cached_state(caches[1], 0, "recurrent"), state))
     assert error <= max(BF16_TOL, 1.1 * bound)

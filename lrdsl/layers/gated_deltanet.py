@@ -191,8 +191,9 @@ class GatedDeltaNet(nn.Module):
             if cu_seqlens is not None:
                 raise LrdslError("GatedDeltaNet: pass either attention_mask (padding) or cu_seq_lens_q (packed sequences), not both")
         if cache is not None:
-            if not all(hasattr(cache, name) for name in ("get_conv_state", "get_recurrent_state", "update_conv_state",
-                                                        "update_recurrent_state")):
+            readable = all(hasattr(cache, name) for name in ("get_conv_state", "get_recurrent_state")) or \
+                all(hasattr(cache, name) for name in ("layers", "has_previous_state"))
+            if not readable or not all(hasattr(cache, name) for name in ("update_conv_state", "update_recurrent_state")):
                 raise LrdslError(f"GatedDeltaNet: cache {type(cache).__name__} lacks get_/update_conv_state and "
                                  "get_/update_recurrent_state (use GatedDeltaNetCache or a transformers Cache)")
             if getattr(cache, "is_recording_past", lambda _: False)(self.layer_idx):
@@ -212,8 +213,8 @@ class GatedDeltaNet(nn.Module):
         kernels = layer_kernels()
         recurrence = recurrence_module()
         B, T, _ = mixed_qkv.shape
-        window = cache.get_conv_state(self.layer_idx) if cache is not None else None
-        state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+        window = cached_state(cache, self.layer_idx, "conv") if cache is not None else None
+        state = cached_state(cache, self.layer_idx, "recurrent") if cache is not None else None
         weight = self.conv1d.weight
         one_step = T == 1 and cu_seqlens is None
         new_window = None
@@ -236,12 +237,25 @@ class GatedDeltaNet(nn.Module):
 
     def _store(self, cache, window, state) -> None:
         if window is not None:  # None: the decode kernel already updated the cached window in place
-            cached = cache.get_conv_state(self.layer_idx)
+            cached = cached_state(cache, self.layer_idx, "conv")
             if cached is None:
                 cache.update_conv_state(window, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             else:
                 cached.copy_(window)
         cache.update_recurrent_state(state, self.layer_idx)
+
+
+def cached_state(cache, layer_idx: int, kind: str):
+    """The convolution window (kind "conv") or recurrent state (kind "recurrent") a cache holds for a
+    layer, None before its first update. GatedDeltaNetCache and recent transformers (5.24) have
+    get_conv_state / get_recurrent_state; earlier 5.x releases (5.17, 5.18) keep the states on its layer
+    (cache.layers[i].conv_states[0], set once has_previous_state says so)."""
+    getter = getattr(cache, f"get_{kind}_state", None)
+    if getter is not None:
+        return getter(layer_idx)
+    if layer_idx >= len(cache.layers) or not cache.layers[layer_idx].has_previous_state[0]:
+        return None
+    return getattr(cache.layers[layer_idx], f"{kind}_states")[0]
 
 
 def _pack(keep: torch.Tensor):
