@@ -387,7 +387,9 @@ class Contender:
     problem: str | None = None  # why it cannot run at all (its rows are FAILED with this reason)
 
 
-def lrdsl_contenders(module, decode: bool, plans) -> list[Contender]:
+def lrdsl_contenders(module, decode: bool, plans, chunk_sizes=(None,)) -> list[Contender]:
+    """lrdsl's recurrent kernel at decode shapes; else its chunk kernels per plan x chunk size
+    (None: the module's own choice for the shape; a size pins the backward's to it too)."""
     def caller(function, options):
         def forward(call: Call):
             return function(*call.tensors, scale=call.scale, initial_state=call.initial_state,
@@ -396,7 +398,9 @@ def lrdsl_contenders(module, decode: bool, plans) -> list[Contender]:
 
     if decode:
         return [Contender(LRDSL, "recurrent", caller(module.recurrent, {}))]
-    return [Contender(LRDSL, f"chunk[{plan}]", caller(module.chunk, {"plan": plan})) for plan in plans]
+    return [Contender(LRDSL, f"chunk[{plan}]" if size is None else f"chunk[{plan},C={size}]",
+                      caller(module.chunk, {"plan": plan} if size is None else {"plan": plan, "chunk_size": size}))
+            for plan in plans for size in chunk_sizes]
 
 
 def fla_contender(rec: Recurrence, function: FlaFunction, fla_function, l2norm: bool,
@@ -719,9 +723,10 @@ class SpecUnderTest:
 
 def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda", dtype=torch.bfloat16,
           seed: int = 0, importer=importlib.import_module, oracle_tokens: int = ORACLE_TOKENS,
-          on_rows=None, on_note=None, serving: bool = False) -> list[BenchRow]:
+          on_rows=None, on_note=None, serving: bool = False, chunk_sizes=None) -> list[BenchRow]:
     """Rows for every spec x shape x mode: FLA's (where it has a counterpart and is installed),
-    then lrdsl's per plan (None: the module's default plan), each gated on correctness; with
+    then lrdsl's per plan (None: the module's default plan) and chunk size (None: the module's
+    choice), each gated on correctness; with
     `serving`, the serving rows at each decode shape after its decode rows.
     `on_rows` gets each group's rows as soon as they exist (a long run shows progress), `on_note`
     one-line notes (a skipped shape)."""
@@ -742,7 +747,8 @@ def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda
             if decode:
                 contenders += lrdsl_contenders(spec.module, decode=True, plans=())
             else:
-                contenders += lrdsl_contenders(spec.module, decode=False, plans=plans or [spec.module.DEFAULT_CHUNK_PLAN])
+                contenders += lrdsl_contenders(spec.module, decode=False, plans=plans or [spec.module.DEFAULT_CHUNK_PLAN],
+                                               chunk_sizes=chunk_sizes or (None,))
 
             modes = modes_for(shape, backward, device)
             call = make_call(spec.rec, shape, dtype, device, generator, l2norm)

@@ -38,6 +38,19 @@ def _parse_shape(text: str):
     return Shape(*values)
 
 
+def _parse_chunk_sizes(text: str) -> list:
+    """bench --chunk-sizes: comma-separated positive integers or "auto" (None: the module's choice)."""
+    sizes = []
+    for token in (t.strip() for t in text.split(",")):
+        if token == "auto":
+            sizes.append(None)
+        elif token.isdigit() and int(token) > 0:
+            sizes.append(int(token))
+        else:
+            raise LrdslError(f"--chunk-sizes takes chunk sizes or 'auto', comma-separated, got {token!r} in {text!r}")
+    return sizes
+
+
 def cmd_compile(args) -> int:
     from .runtime.cache import atomic_write
     from .runtime.loader import generate
@@ -200,12 +213,13 @@ def cmd_bench(args) -> int:
     spec_paths = _bench_spec_paths(args)
     shapes = parse_shapes(args.shapes)
     plans = [p.strip() for p in args.plans.split(",")] if args.plans else None
+    chunk_sizes = _parse_chunk_sizes(args.chunk_sizes) if args.chunk_sizes else None
 
     import torch
 
     if not torch.cuda.is_available():
         raise LrdslError("bench needs a CUDA GPU (timings on the CPU interpreter mean nothing)")
-    return _bench_on_gpu(args, spec_paths, shapes, plans)
+    return _bench_on_gpu(args, spec_paths, shapes, plans, chunk_sizes)
 
 
 def _bench_report_from_json(args) -> int:
@@ -259,7 +273,7 @@ def _bench_spec_paths(args) -> list[str]:
     return chosen
 
 
-def _bench_on_gpu(args, spec_paths, shapes, plans) -> int:
+def _bench_on_gpu(args, spec_paths, shapes, plans, chunk_sizes) -> int:
     import torch
     import triton
 
@@ -275,6 +289,9 @@ def _bench_on_gpu(args, spec_paths, shapes, plans) -> int:
         for plan in plans or ():
             if plan not in module.CHUNK_PLANS:
                 raise LrdslError(f"--plans: {rec.name} has no plan {plan!r}; plans: {', '.join(module.CHUNK_PLANS)}")
+        for size in chunk_sizes or ():
+            if size not in module.CHUNK_SIZES:
+                raise LrdslError(f"--chunk-sizes: {size} is not one of {rec.name}'s chunk sizes {module.CHUNK_SIZES}")
         specs.append(SpecUnderTest(rec.name, rec, module))
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -292,7 +309,7 @@ def _bench_on_gpu(args, spec_paths, shapes, plans) -> int:
         for row in group:
             print(format_row(row), flush=True)
 
-    rows = bench(specs, shapes, plans=plans, backward=args.backward, seed=args.seed, on_rows=show,
+    rows = bench(specs, shapes, plans=plans, backward=args.backward, seed=args.seed, on_rows=show, chunk_sizes=chunk_sizes,
                  on_note=lambda text: print(f"note: {text}", flush=True), serving=args.serving)
     return _bench_report(rows, args, print_rows=False)  # the rows were printed as they came
 
@@ -341,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: training, family (4 x 4096, H = HV = 16: kda, gla, rwkv7 vs FLA), decode, "
                         "a known shape by BxT (4x4096, 256x1) or BxTxHxHV[xKxV]; T = 1 is decode (default training)")
     p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: the module's default plan)")
+    p.add_argument("--chunk-sizes", default=None, metavar="C[,C...]",
+                   help="also time lrdsl's chunk kernels at these chunk sizes (\"auto\": the module's choice; default: auto "
+                        "only); a size pins the backward's chunk size to it too")
     p.add_argument("--backward", action="store_true", help="also time forward + backward (training shapes)")
     p.add_argument("--serving", action="store_true",
                    help="also time, at decode shapes, decode on a state pool (fp32 and bf16 state), verify of 4 draft "

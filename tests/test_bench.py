@@ -385,6 +385,31 @@ def test_without_fla_the_rows_are_lrdsl_only_gated_by_the_oracle_and_without_rat
     assert bench.ratio_summary(rows)[("simple_gla", "1x7x1x2x8x8")] == {"fwd": "no FLA", "fwd+bwd": "no FLA"}
 
 
+def test_chunk_sizes_give_one_gated_row_each_and_reach_the_kernel():
+    rec = recurrence("simple_gla")
+    sizes_seen = []
+
+    def oracle_kernel(q, k, v, *extras, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, plan=None, chunk_size=None):
+        sizes_seen.append(chunk_size)
+        o, final_state = reference.run(rec, q, k, v, *extras, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o.to(v.dtype), final_state.float()
+
+    stand_in = types.SimpleNamespace(chunk=oracle_kernel, recurrent=oracle_kernel, DEFAULT_CHUNK_PLAN="split")
+    rows = bench.bench([bench.SpecUnderTest("simple_gla", rec, stand_in)], [Shape(1, 7, 1, 2, 8, 8)], device="cpu",
+                       dtype=torch.float32, seed=int(torch.seed() % 2**31), importer=_no_fla, chunk_sizes=[None, 16])
+    assert [(r.kernel, r.status) for r in rows] == [("chunk[split]", "ok"), ("chunk[split,C=16]", "ok")]
+    assert all(r.err_vs_oracle <= 2e-3 for r in rows)
+    assert set(sizes_seen) == {None, 16}
+
+
+def test_bench_chunk_sizes_option_errors_are_one_line(capsys):
+    assert "--chunk-sizes takes chunk sizes or 'auto'" in _error_line(["bench", "specs/gdn.toml", "--chunk-sizes", "32,x"], capsys)
+    assert "got '-16'" in _error_line(["bench", "specs/gdn.toml", "--chunk-sizes", "-16"], capsys)
+
+
 def test_serving_rows_are_gated_on_the_oracle_and_compared_with_the_pool_decode():
     """--serving: pool decode (fp32 and bf16 state), verify and verify + commit, each gated by a
     run on a fresh pool against the oracle (o and the pool rows) and timed relative to the fp32
