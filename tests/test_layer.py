@@ -377,7 +377,7 @@ def test_gpu_bf16_layer_kernels(generator, device):
     config = released_config()
     layer = GatedDeltaNet(config)
     kernels = layer_kernels()
-    B, T, HV, V, K, H = 2, 200, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim, layer.num_k_heads
+    B, T, HV, V = 2, 200, layer.num_v_heads, layer.head_v_dim
     W, D = layer.conv_kernel_size, layer.conv_dim
 
     def conv_oracle(x, weight):
