@@ -1,7 +1,8 @@
 """A spec fuzzer: whatever lrdsl accepts it must compile right, and what it refuses it must refuse
 in one line.
 
-Valid specs: every update rule, every gate kind, every input role, input names drawn from the
+Valid specs: every update rule (the dplr one with low-rank vectors kept small enough that the
+state cannot grow far: RWKV-7 normalises them, a formula cannot), every gate kind, every input role, input names drawn from the
 names generated code uses and at random, formulas from the whole grammar (every function, integer
 powers of negative values up to x**7 and x**(-5), integral float exponents, fractional powers of
 bases that cannot be negative, negative constants and constant bases, the head index in constant
@@ -31,8 +32,7 @@ import lrdsl
 from lrdsl import config
 from lrdsl.codegen.names import CHUNK_OPTIONS, reserved_input_name
 from lrdsl.errors import SpecError
-from lrdsl.ir.formula import FUNCTIONS, HEAD_INDEX, parse_formula, torch_function
-from lrdsl.ir.recurrence import InputRole
+from lrdsl.ir.formula import FUNCTIONS, HEAD_INDEX, parse_formula
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.reference import evaluate_formula
 from lrdsl.spec import load_spec
@@ -108,6 +108,8 @@ DECAY_WRAPPERS = ["(-softplus({}))", "logsigmoid({})", "(-sigmoid({}))", "(-exp(
 # betas: in (0, 2) for the delta rule (else the state grows token by token); anything for a plain write
 DELTA_BETA_WRAPPERS = ["sigmoid({})", "(2 * sigmoid({}))", "(1 + tanh({}))", "{}"]
 PLAIN_BETA_WRAPPERS = ["{}", "sigmoid({})"]
+# the dplr update's a_t, b_t: every entry within 0.1, so |a_t| |b_t| <= 0.01 K (in_range bounds the growth)
+LOW_RANK_WRAPPERS = ["(0.1 * tanh({}))", "(0.1 * sigmoid({}))", "(-0.1 * sigmoid({}))"]
 
 
 @dataclass(frozen=True)
@@ -117,9 +119,12 @@ class FuzzSpec:
     inputs: tuple[tuple[str, str], ...]  # (name, role), positional order
     log_decay: str | None
     beta: str | None
+    low_rank: tuple[str, str] | None = None  # dplr: (low_rank_read, low_rank_write)
 
     def document(self) -> dict:
-        formulas = {k: v for k, v in (("log_decay", self.log_decay), ("beta", self.beta)) if v is not None}
+        pairs = (("log_decay", self.log_decay), ("beta", self.beta)) + tuple(zip(("low_rank_read", "low_rank_write"),
+                                                                                   self.low_rank or ()))
+        formulas = {k: v for k, v in pairs if v is not None}
         return {"name": "fuzz", "recurrence": {"update": self.update, "gate": self.gate},
                 "inputs": dict(self.inputs), "formulas": formulas}
 
@@ -134,8 +139,9 @@ ROLES_FOR = {  # roles a gate's formula and beta may read
 
 @st.composite
 def valid_specs(draw) -> FuzzSpec:
-    update = draw(st.sampled_from(["delta", "plain"]))
-    gate = draw(st.sampled_from(["none", "scalar", "constant", "key_channel"]))
+    update = draw(st.sampled_from(["delta", "plain", "dplr"]))
+    # dplr decays per key channel (the lowering refuses any other gate)
+    gate = "key_channel" if update == "dplr" else draw(st.sampled_from(["none", "scalar", "constant", "key_channel"]))
     names = draw(st.lists(input_names(), min_size=1, max_size=4, unique=True))
     roles = {n: draw(st.sampled_from(ROLES_FOR[gate])) for n in names}
     # the gate must read a per-token input (scalar), a per-key and a per-token one (key-channel)
@@ -162,18 +168,24 @@ def valid_specs(draw) -> FuzzSpec:
         beta_leaves = [n for n in names if n not in per_key]
         wrappers = DELTA_BETA_WRAPPERS if update == "delta" else PLAIN_BETA_WRAPPERS
         beta = draw(st.sampled_from(wrappers)).format(f"({draw(formulas(beta_leaves))})")
+    low_rank = None
+    if update == "dplr":  # each vector reads a per-key-channel input, and anything else
+        low_rank = tuple(draw(st.sampled_from(LOW_RANK_WRAPPERS)).format(
+            f"({draw(formulas(names))}) + {draw(st.sampled_from(sorted(per_key)))}") for _ in range(2))
 
     # declare exactly the inputs the (parsed) formulas read, in the drawn order
     used = set()
-    for text in (log_decay, beta):
+    for text in (log_decay, beta, *(low_rank or ())):
         if text is not None:
             used |= {str(s) for s in parse_formula(text, set(names)).free_symbols}
     if log_decay is not None:  # sympy may cancel the inputs a gate must read: x - x
         reads = {str(s) for s in parse_formula(log_decay, set(names)).free_symbols}
         assume(gate == "constant" or reads & per_token)
         assume(gate != "key_channel" or reads & per_key)
+    for text in low_rank or ():
+        assume({str(s) for s in parse_formula(text, set(names)).free_symbols} & per_key)
     inputs = tuple((n, roles[n]) for n in names if n in used)
-    return FuzzSpec(update, gate, inputs, log_decay, beta)
+    return FuzzSpec(update, gate, inputs, log_decay, beta, low_rank)
 
 
 def toml_text(document: dict) -> str:
@@ -217,16 +229,22 @@ def cases(draw) -> Case:
                 draw(st.integers(0, 2**31 - 1)))
 
 
+LOW_RANK_GROWTH = 100.0
+
+
 def in_range(rec, tensors, HV: int) -> bool:
     """Whether the formulas stay where float32 kernels can follow a float64 oracle on these inputs:
     every subexpression and derivative finite and below 1e5 in size, the log-decay >= -40 (its
-    cumulative sums run in float32), the delta rule's beta in [0, 2] (else the state grows)."""
+    cumulative sums run in float32), the delta rule's beta in [0, 2] (else the state grows), and
+    the dplr update's low-rank term growing the state at most LOW_RANK_GROWTH-fold over a sequence
+    (the product over tokens of 1 + |a_t| |b_t| bounds it: the decay is at most 1)."""
     named = {i.name: x.double() for i, x in zip(rec.inputs, tensors[3:])}
     roles = {i.name: i.role for i in rec.inputs}
-    for key, expr in (("log_decay", rec.log_decay), ("beta", rec.beta)):
+    low_rank = (("low_rank_read", rec.low_rank_read), ("low_rank_write", rec.low_rank_write))
+    for key, expr in (("log_decay", rec.log_decay), ("beta", rec.beta)) + low_rank:
         if expr is None:
             continue
-        per_key = key == "log_decay" and rec.is_per_key_channel(expr)
+        per_key = key.startswith("low_rank") or key == "log_decay" and rec.is_per_key_channel(expr)
         for sub in sympy.preorder_traversal(expr):
             if isinstance(sub, sympy.Expr) and sub.free_symbols - {HEAD_INDEX}:
                 value = evaluate_formula(sub, named, roles, HV, per_key)
@@ -241,6 +259,12 @@ def in_range(rec, tensors, HV: int) -> bool:
         if key == "log_decay" and value.min() < -40:
             return False
         if key == "beta" and rec.is_delta and not (value.min() >= 0 and value.max() <= 2):
+            return False
+    if rec.has_low_rank:
+        a, b = (evaluate_formula(expr, named, roles, HV, True).expand(*tensors[2].shape[:3], tensors[0].shape[-1])
+                for _, expr in low_rank)
+        growth = (1 + a.norm(dim=-1) * b.norm(dim=-1)).prod(dim=1)  # [B, HV], all of T
+        if growth.max() > LOW_RANK_GROWTH:
             return False
     return True
 
@@ -265,10 +289,12 @@ def test_valid_specs_match_the_oracle(spec, case, tmp_path, generator, device):
                              **options)
 
     assert_errors(errors("recurrent", False), LIMIT, "recurrent")
+    # every chunk size the module accepts here (a dplr module's kernels fit shared memory up to 32)
+    largest = mod.largest_chunk_size(call.shape.K, dtype=tensors[0].dtype)
     for plan in mod.CHUNK_PLANS:
-        for size in mod.CHUNK_SIZES:
+        for size in (s for s in mod.CHUNK_SIZES if s <= largest):
             assert_errors(errors("chunk", False, plan=plan, chunk_size=size), LIMIT, f"chunk[{plan},{size}]")
-    options = dict(plan=case.plan, chunk_size=case.chunk_size, save_policy=case.save_policy)
+    options = dict(plan=case.plan, chunk_size=min(case.chunk_size, largest), save_policy=case.save_policy)
     if case.gradient_kernel == "recurrent":
         options = {}
     assert_errors(errors(case.gradient_kernel, True, **options), LIMIT, f"gradients of {case.gradient_kernel} {options}")
@@ -370,6 +396,10 @@ BREAKS = ["unknown_key", "bad_value", "reserved_name", "bad_role", "unused_input
           "head_index_outside_constant_gate", "per_key_beta", "constant_gate_reads_a_token", "scalar_gate_reads_no_token"]
 
 
+GATE_BREAKS = {"gate_without_decay", "decay_without_gate", "growing_decay", "constant_gate_reads_a_token",
+               "scalar_gate_reads_no_token"}
+
+
 def key_line(text: str, dotted: str) -> int | None:
     """The line of `dotted` (table.key) in `text`, found independently of lrdsl's own scanner."""
     table, _, key = dotted.rpartition(".")
@@ -391,6 +421,8 @@ def test_invalid_specs_get_one_line_errors(spec, kind, data, tmp_path):
     run_pipeline(load_spec(path), until="recurrence")  # the spec before it is broken is valid
     doc = spec.document()
     if kind in ("formula_text", "formula_type") and not doc["formulas"]:
+        kind = "unused_input"
+    if spec.update == "dplr" and kind in GATE_BREAKS:  # another gate breaks dplr twice (it needs key_channel)
         kind = "unused_input"
     key = break_spec(doc, kind, data.draw)
     text = toml_text(doc)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 import lrdsl
 from lrdsl import reference
+from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.spec import load_spec
 from lrdsl.workloads import TOLERANCE, Shape, relative_error
 
 from helpers import assert_close, module, recurrence, sample
@@ -34,10 +36,12 @@ def strong_and_zero_steps(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def errors_against_oracle(what, kernel, tensors, generator, device, bounds=None, scale=None, l2norm=False, **options):
+def errors_against_oracle(what, kernel, tensors, generator, device, bounds=None, scale=None, l2norm=False, spec=None,
+                          **options):
     """Relative errors of o, the final state and every gradient, the initial state's included
-    (loss <o, dO> + <ht, dht>), of `mod.<kernel>` against autograd through the float64 oracle."""
-    rec, mod = recurrence(NAME), module(NAME)
+    (loss <o, dO> + <ht, dht>), of `mod.<kernel>` against autograd through the float64 oracle.
+    spec: (recurrence, module) of another dplr spec with inputs w, a, b (default rwkv7's)."""
+    rec, mod = spec or (recurrence(NAME), module(NAME))
     B, T, HV, V = tensors[2].shape
     K = tensors[0].shape[-1]
     N = len(bounds) - 1 if bounds else B
@@ -168,3 +172,34 @@ def test_kda_through_the_dplr_kernels(tmp_path, generator, device):
     assert_close(ht, ref_ht, torch.float32, "kda as dplr: final state")
     for name, leaf, ref in zip(["q", "k", "v", "g", "beta"], leaves, refs):
         assert_close(leaf.grad, ref.grad, torch.float32, f"kda as dplr: d{name}", limit=GRAD_LIMIT)
+
+
+# a and b are formulas that are not 0 where their inputs are 0, at K = 20: the kernels pad the key
+# axis to 32 lanes with zero inputs, and a low-rank vector of f(0) there once summed the padding
+# into S^T a (4.6e-4 off the oracle in float64 before the lanes were masked).
+PADDED_LANES_SPEC = """
+name = "dplr_padded_lanes"
+[recurrence]
+update = "dplr"
+gate = "key_channel"
+[inputs]
+w = "token_key"
+a = "token_key"
+b = "token_key"
+[formulas]
+log_decay = "-softplus(w) - 0.25"
+low_rank_read = "-0.3 * sigmoid(a)"
+low_rank_write = "0.3 * sigmoid(b)"
+"""
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_formulas_nonzero_at_zero_with_padded_key_lanes(kernel, tmp_path, generator, device):
+    path = tmp_path / "dplr_padded_lanes.toml"
+    path.write_text(PADDED_LANES_SPEC)
+    spec = (run_pipeline(load_spec(path), until="recurrence")["recurrence"], lrdsl.load(path))
+    tensors = sample(spec[0], Shape(1, 37, 1, 2, 20, 12), torch.float32, generator)
+    options = {"chunk_size": 16} if kernel == "chunk" else {}
+    errors = errors_against_oracle(f"padded lanes {kernel}", kernel, tensors, generator, device, bounds=[0, 9, 37],
+                                   spec=spec, **options)
+    assert_within(errors, f"padded lanes {kernel}")

@@ -216,8 +216,12 @@ def _formula(op: Formula, ctx: KernelContext) -> list[str]:
 
 @CHUNK_EMITTERS.register(MaskRows)
 def _mask_rows(op: MaskRows, ctx: KernelContext) -> list[str]:
-    rows = "m_t" if len(op.shape) == 1 else "m_t[:, None]"
-    return [f"{var(op.out)} = tl.where({rows}, {var(op.x)}, 0.0)"]
+    if len(op.shape) == 1:
+        return [f"{var(op.out)} = tl.where(m_t, {var(op.x)}, 0.0)"]
+    # a C x K tile: key lanes past K (BK pads K to a power of two) too; a formula of the
+    # zero-padded inputs need not be 0 there, and a gram over key lanes would sum it
+    lanes = "m_k[None, :]" if op.shape[1] == "K" else "m_v[None, :]"
+    return [f"{var(op.out)} = tl.where(m_t[:, None] & {lanes}, {var(op.x)}, 0.0)"]
 
 
 @CHUNK_EMITTERS.register(Broadcast)

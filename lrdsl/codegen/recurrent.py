@@ -104,7 +104,12 @@ def _formula(op: Formula, prog: StepProgram) -> Emission:
     lines = [f"# {op.target} = {op.expr}"]
     if HEAD_INDEX in op.expr.free_symbols:
         lines.append("f_hv = i_hv.to(ACC)  # the value-head index h")
-    lines.append(f"{op.target} = {to_triton(op.expr, formula_names(prog))}")
+    value = to_triton(op.expr, formula_names(prog))
+    if op.per_key:
+        # key lanes past K (BK pads K to a power of two) hold 0: the formula of zero-padded
+        # inputs need not be 0, and a low-rank vector there would write into the state's padding
+        value = f"tl.where(m_k, {value}, 0.0)"
+    lines.append(f"{op.target} = {value}")
     return Emission(lines)
 
 

@@ -99,7 +99,8 @@ def _symbol_names(expr: sympy.Expr) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class MaskRows(ChunkOp):
-    """Rows past the sequence end set to 0 (a formula of padded inputs need not be 0)."""
+    """Rows past the sequence end set to 0 (a formula of padded inputs need not be 0); the code
+    generator also zeroes a tile's lanes past K or V, where it pads them to a power of two."""
 
     x: str
 
