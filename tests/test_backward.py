@@ -353,3 +353,21 @@ def test_backward_keeps_the_forward_chunk_size_when_it_must(options, generator, 
     case = dict(shape=Shape(1, 70, 1, 1, 16, 16), h0=True, dht=True)
     assert_gradients(gradient_errors("gdn", case, generator, device, **options), str(options))
     assert sizes == [64]
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_saturated_sigmoid_keeps_its_gradient(kernel, generator, device):
+    """beta = sigmoid(b) at b ~ 25: d beta / d b = exp(-25) ~ 1e-11. Written s (1 - s), the
+    derivative cancelled to exactly 0 in float32 (d_b off by 100%); sigmoid(x) sigmoid(-x) keeps it."""
+    rec, mod = recurrence("gdn_qwen35"), module("gdn_qwen35")
+    tensors = sample(rec, Shape(1, 20, 1, 2, 16, 16), torch.float32, generator)
+    tensors[4] = tensors[4] + 25.0  # b
+    leaves = [t.clone().to(device).requires_grad_() for t in tensors]
+    options = {"chunk_size": 16} if kernel == "chunk" else {}
+    o, _ = getattr(mod, kernel)(*leaves, use_qk_l2norm_in_kernel=True, **options)
+    d_o = torch.randn(o.shape, generator=generator)
+    got = torch.autograd.grad(o, leaves[4], d_o.to(device))[0]
+    refs = [t.double().requires_grad_() for t in tensors]
+    ref_o, _ = reference.run(rec, *refs, use_qk_l2norm_in_kernel=True)
+    expected = torch.autograd.grad(ref_o, refs[4], d_o.double())[0]
+    assert expected.abs().max() > 0 and relative_error(got, expected) <= 2e-3

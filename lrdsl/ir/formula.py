@@ -38,8 +38,9 @@ class sigmoid(sympy.Function):
     """1 / (1 + exp(-x)). Positive for real x."""
 
     def fdiff(self, argindex=1):
-        s = sigmoid(self.args[0])
-        return s * (1 - s)
+        # sigmoid(x) sigmoid(-x), not s (1 - s): 1 - s cancels to 0 in float32 from x ~ 17 on,
+        # where sigmoid(-x) still carries exp(-x)
+        return sigmoid(self.args[0]) * sigmoid(-self.args[0])
 
     def _eval_evalf(self, prec):
         return _evalf(self, prec, lambda x: 1 / (1 + sympy.exp(-x)))
