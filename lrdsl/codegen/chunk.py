@@ -218,10 +218,11 @@ def _formula(op: Formula, ctx: KernelContext) -> list[str]:
 def _mask_rows(op: MaskRows, ctx: KernelContext) -> list[str]:
     if len(op.shape) == 1:
         return [f"{var(op.out)} = tl.where(m_t, {var(op.x)}, 0.0)"]
-    # a C x K tile: key lanes past K (BK pads K to a power of two) too; a formula of the
-    # zero-padded inputs need not be 0 there, and a gram over key lanes would sum it
-    lanes = "m_k[None, :]" if op.shape[1] == "K" else "m_v[None, :]"
-    return [f"{var(op.out)} = tl.where(m_t[:, None] & {lanes}, {var(op.x)}, 0.0)"]
+    if op.shape != ("C", "K"):
+        raise CompileError(f"rows_in_sequence of a {' x '.join(op.shape)} tile: only C and C x K values are masked")
+    # a C x K tile (a per-key-channel formula): key lanes past K (BK pads K to a power of two)
+    # too; a formula of the zero-padded inputs need not be 0 there, and a gram over keys sums it
+    return [f"{var(op.out)} = tl.where(m_t[:, None] & m_k[None, :], {var(op.x)}, 0.0)"]
 
 
 @CHUNK_EMITTERS.register(Broadcast)

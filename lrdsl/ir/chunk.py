@@ -100,7 +100,7 @@ def _symbol_names(expr: sympy.Expr) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class MaskRows(ChunkOp):
     """Rows past the sequence end set to 0 (a formula of padded inputs need not be 0); the code
-    generator also zeroes a tile's lanes past K or V, where it pads them to a power of two."""
+    generator also zeroes a C x K tile's lanes past K, where it pads K to a power of two."""
 
     x: str
 
