@@ -215,11 +215,13 @@ def cmd_bench(args) -> int:
     plans = [p.strip() for p in args.plans.split(",")] if args.plans else None
     chunk_sizes = _parse_chunk_sizes(args.chunk_sizes) if args.chunk_sizes else None
 
+    specs = _bench_specs(spec_paths, plans, chunk_sizes)
+
     import torch
 
     if not torch.cuda.is_available():
         raise LrdslError("bench needs a CUDA GPU (timings on the CPU interpreter mean nothing)")
-    return _bench_on_gpu(args, spec_paths, shapes, plans, chunk_sizes)
+    return _bench_on_gpu(args, specs, shapes, plans, chunk_sizes)
 
 
 def _bench_report_from_json(args) -> int:
@@ -273,12 +275,10 @@ def _bench_spec_paths(args) -> list[str]:
     return chosen
 
 
-def _bench_on_gpu(args, spec_paths, shapes, plans, chunk_sizes) -> int:
-    import torch
-    import triton
-
+def _bench_specs(spec_paths, plans, chunk_sizes) -> list:
+    """Compile each spec (no GPU needed) and check --plans and --chunk-sizes against its module."""
     from . import load
-    from .bench import HEADER, SpecUnderTest, allow_fla_gated_backward_on_hopper, bench, fla_baseline, format_row, resolve_fla
+    from .bench import SpecUnderTest
     from .passes.pipeline import run_pipeline
     from .specs_registry import load_spec_by_name as load_spec
 
@@ -290,9 +290,17 @@ def _bench_on_gpu(args, spec_paths, shapes, plans, chunk_sizes) -> int:
             if plan not in module.CHUNK_PLANS:
                 raise LrdslError(f"--plans: {rec.name} has no plan {plan!r}; plans: {', '.join(module.CHUNK_PLANS)}")
         for size in chunk_sizes or ():
-            if size not in module.CHUNK_SIZES:
+            if size is not None and size not in module.CHUNK_SIZES:  # None is "auto"
                 raise LrdslError(f"--chunk-sizes: {size} is not one of {rec.name}'s chunk sizes {module.CHUNK_SIZES}")
         specs.append(SpecUnderTest(rec.name, rec, module))
+    return specs
+
+
+def _bench_on_gpu(args, specs, shapes, plans, chunk_sizes) -> int:
+    import torch
+    import triton
+
+    from .bench import HEADER, allow_fla_gated_backward_on_hopper, bench, fla_baseline, format_row, resolve_fla
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"fla-core {_installed_version('fla-core')}, flash-qla {_installed_version('flash-qla')}; seed {args.seed}")

@@ -408,6 +408,14 @@ def test_chunk_sizes_give_one_gated_row_each_and_reach_the_kernel():
 def test_bench_chunk_sizes_option_errors_are_one_line(capsys):
     assert "--chunk-sizes takes chunk sizes or 'auto'" in _error_line(["bench", "specs/gdn.toml", "--chunk-sizes", "32,x"], capsys)
     assert "got '-16'" in _error_line(["bench", "specs/gdn.toml", "--chunk-sizes", "-16"], capsys)
+    assert "128 is not one of kda's chunk sizes" in _error_line(["bench", "specs/kda.toml", "--chunk-sizes", "auto,128"], capsys)
+
+
+def test_bench_chunk_sizes_auto_passes_the_checks(capsys):
+    """"auto" is the module's own choice: the checks before any GPU time accept it beside a size."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU this would time the kernels")
+    assert "bench needs a CUDA GPU" in _error_line(["bench", "specs/kda.toml", "--chunk-sizes", "auto,32"], capsys)
 
 
 def test_serving_rows_are_gated_on_the_oracle_and_compared_with_the_pool_decode():
