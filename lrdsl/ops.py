@@ -435,7 +435,7 @@ def _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_si
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(cu_seqlens, torch.Tensor):
         return None  # chunk() names the wrong tensor itself
     if chunk_size is None:
-        chunk_size = module._largest_chunk_size(q, q.shape[-1], "input")  # chunk()'s own default for q
+        chunk_size = module._default_chunk_size(fn, q, q.shape[-1], "input", module.DEFAULT_CHUNK_PLAN)  # chunk()'s own
     return _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size)
 
 

@@ -58,8 +58,11 @@ def run(fn, leaves, d_o, backward):
     return fn(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True)
 
 def timeit(f):
-    torch.cuda.synchronize(); t = time.perf_counter(); out = f(); torch.cuda.synchronize(); cold = time.perf_counter() - t
-    torch.cuda.reset_peak_memory_stats(); f(); torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated() / 2**20
+    """(median ms, peak MiB the call allocates above what was allocated before it, cold s, outputs)."""
+    torch.cuda.synchronize(); t = time.perf_counter(); f(); torch.cuda.synchronize(); cold = time.perf_counter() - t
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats(); out = f(); torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     ms = triton.testing.do_bench(f, warmup=30, rep=150, return_mode="median")
     return ms, peak, cold, out
 
@@ -94,6 +97,7 @@ for s in args.shapes.split(","):
                                                   for n, m in mods.items()]
     ref_out = None
     for name, fn in impls:
+        out = None  # the last contender's outputs would count in this one's peak
         ms, peak, cold, out = timeit(lambda: run(fn, leaves, d_o, args.backward))
         diff = None
         if ref_out is None:

@@ -333,7 +333,7 @@ def test_check_reports_a_gradient_error_the_forward_hides(generator, device):
 
 @pytest.mark.parametrize("bounds", [None, [0, 3, 70, 100]], ids=["dense", "varlen"])
 def test_backward_recomputes_at_its_own_chunk_size(bounds, generator, device, monkeypatch):
-    """chunk_size left to lrdsl: the forward runs at largest_chunk_size, the backward (which
+    """chunk_size left to lrdsl: the forward runs at FORWARD_CHUNK_SIZE, the backward (which
     recomputes every forward buffer it reads) at BACKWARD_CHUNK_SIZE; gradients still match."""
     mod = module("gdn")
     assert mod.BACKWARD_CHUNK_SIZE["input"] < mod.largest_chunk_size(16)

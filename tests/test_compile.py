@@ -200,14 +200,15 @@ def test_a_bad_tensor_under_compile_names_it(generator, device):
 
 
 def test_chunk_under_compile_takes_the_eager_default_and_limit_of_chunk_size():
-    """chunk() under torch.compile fills in the chunk size eager chunk() would (largest_chunk_size
-    for the precision, K and, for a GPU's tensors, the dtype: meta tensors stand for them), and its
-    op's fake implementation refuses a larger one, in one line."""
+    """chunk() under torch.compile fills in the chunk size eager chunk() would (FORWARD_CHUNK_SIZE,
+    capped by largest_chunk_size for the precision, K and, for a GPU's tensors, the dtype: meta
+    tensors stand for them), and its op's fake implementation refuses a larger one, in one line."""
     mod = module("kda")
     wide = torch.empty(1, 4, 1, 136, device="meta")  # kda at K > 128: 32
     fp32_wide = module("gdn"), torch.empty(1, 4, 1, 256, dtype=torch.float32, device="meta")  # fp32 on a GPU: 32
     for m, q in ((mod, wide), fp32_wide):
         assert m._largest_chunk_size(q, q.shape[3], "input") == 32
+        assert m._default_chunk_size("chunk", q, q.shape[3], "input", m.DEFAULT_CHUNK_PLAN) == 32
         m._fake_chunk_options(q, 32, m.DEFAULT_CHUNK_PLAN, "input")
         with pytest.raises(m.InputError, match=rf"^{m.SPEC_NAME}.chunk: chunk_size must be one of \(16, 32, 64\) and at most 32 "):
             m._fake_chunk_options(q, 64, m.DEFAULT_CHUNK_PLAN, "input")

@@ -99,7 +99,7 @@ def test_gpu_chunk_gradients_bf16(name, plan, chunk_size, generator):
 
 @pytest.mark.parametrize("name", CHUNKED)
 def test_gpu_chunk_gradients_default_chunk_sizes(name, generator):
-    """chunk_size left to lrdsl: the forward at LARGEST_CHUNK_SIZE, the backward (recomputing)
+    """chunk_size left to lrdsl: the forward at FORWARD_CHUNK_SIZE, the backward (recomputing)
     at BACKWARD_CHUNK_SIZE, with its own launch settings (CHUNK_LAUNCH_SMALL_CHUNK)."""
     _gradients(name, GRAD_DENSE, generator)
     _gradients(name, GRAD_VARLEN, generator)

@@ -209,7 +209,7 @@ def test_default_chunk_size_is_lrdsl_s_and_the_backward_chooses_its_own(packed, 
 @pytest.mark.parametrize("host", ["cu_seqlens_cpu", "fla_chunk_indices"])
 def test_host_counted_chunks_leave_the_backward_its_own_chunk_size(host, generator, device, monkeypatch):
     """With cu_seqlens_cpu (or FLA's chunk_indices, counted on one host copy of cu_seqlens) and no
-    chunk_size, the forward runs at the largest chunk size and the backward at BACKWARD_CHUNK_SIZE,
+    chunk_size, the forward runs at its own (FORWARD_CHUNK_SIZE, here the largest) and the backward at BACKWARD_CHUNK_SIZE,
     every chunk of both counted on the host copy; gradients match the oracle. With chunk_size the
     backward keeps it."""
     lengths = [3, 70, 0, 27]
@@ -217,7 +217,7 @@ def test_host_counted_chunks_leave_the_backward_its_own_chunk_size(host, generat
     tensors = make_inputs(generator, "log", "given", T=100, N=len(lengths))
     module = ops.spec_module("log", "given")
     largest, backward_size = module.largest_chunk_size(16), module.BACKWARD_CHUNK_SIZE["input"]
-    assert backward_size < largest
+    assert backward_size < largest == module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, "input"]
     sizes, backward = [], module._chunk_backward
     monkeypatch.setattr(module, "_chunk_backward", lambda c, *rest: sizes.append(c["BT"]) or backward(c, *rest))
     counted, count = [], module._count_chunks

@@ -5,12 +5,15 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
+from lrdsl import reference
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.runtime.loader import generate
 from lrdsl.spec import load_spec
+from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
-from helpers import module, spec_path
+from helpers import module, recurrence, spec_path
 
 
 def _generate(name: str) -> str:
@@ -83,3 +86,29 @@ def test_backward_chunk_size_follows_register_pressure(name, expected):
     assert sizes["input"] == expected
     assert sizes["tf32"] <= min(expected, 32)
     assert module(name).BACKWARD_CHUNK_SIZE == sizes
+
+
+@pytest.mark.parametrize("name, expected", [("gdn", 64), ("deltanet", 64), ("linear_attn", 64), ("kda", 32), ("gla", 32),
+                                            ("rwkv7", 32)])
+def test_forward_chunk_size_follows_register_pressure(name, expected, monkeypatch):
+    """chunk()'s own chunk size is the largest at which the plan's forward kernels fit their
+    registers (within the forward's tolerance): kda's apply and gla's output kernels overflow at
+    64, the scalar-gated specs' do not; rwkv7 is capped by its largest chunk size (32). chunk()
+    without chunk_size runs at it."""
+    from lrdsl.codegen.chunk import forward_chunk_sizes, largest_chunk_sizes
+
+    item, _, _ = _contexts(name)
+    sizes = forward_chunk_sizes(item.forward, largest_chunk_sizes(item))
+    mod = module(name)
+    assert mod.FORWARD_CHUNK_SIZE == sizes
+    assert {sizes[plan, "input"] for plan in mod.CHUNK_PLANS} == {expected}
+    assert all(sizes[plan, "tf32"] <= min(expected, 32) for plan in mod.CHUNK_PLANS)
+    ran = []
+    launch = mod._CHUNK_LAUNCHERS[mod.DEFAULT_CHUNK_PLAN]
+    monkeypatch.setitem(mod._CHUNK_LAUNCHERS, mod.DEFAULT_CHUNK_PLAN, lambda c, *rest: ran.append(c["BT"]) or launch(c, *rest))
+    generator = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    tensors = make_inputs(recurrence(name), Shape(1, 40, 1, 2, 8, 12), generator=generator)
+    o, _ = mod.chunk(*tensors)
+    assert ran == [expected]
+    o_ref, _ = reference.run(recurrence(name), *[t.double() for t in tensors])
+    assert relative_error(o, o_ref) <= TOLERANCE[torch.float32]

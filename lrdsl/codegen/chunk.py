@@ -722,9 +722,17 @@ def largest_chunk_sizes(item: BackwardPlan) -> dict:
 # heads (32 programs) from 1.64 to 1.28 ms per call, and slowed it at 4 x 4096 (512 programs).
 # The backward scan has the same loop-carried structure.
 CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"num_stages": 3}, "bwd_scan": {"num_stages": 3}}
-# At C = 32 the backward output kernel pipelines its V loop in 2 stages: 7.27 -> 6.88 ms forward +
-# backward at 4 x 4096 (H200); at C = 64 one stage was 2.4 ms faster (spills, not loads, bind there).
-CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"num_stages": 2}}
+# Below the largest chunk size (C = 32: the backward's usual case, and kda's and gla's forward)
+# tiles are half as tall, and the settings change where that was measured to pay (H200, bf16):
+#  - the backward output kernel pipelines its V loop in 2 stages: 7.27 -> 6.88 ms forward +
+#    backward at 4 x 4096 (gdn); at C = 64 one stage was 2.4 ms faster (spills bind there);
+#  - the system and output kernels run 2 warps (32-row tiles give 4 warps little to share) and
+#    the scan 64 value columns per program (half the programs, each reading its chunk's keys once
+#    for twice the columns): kda's forward 1.90 -> 1.59 ms, gla's 1.02 -> 0.86 ms (4 x 4096,
+#    H = HV = 16); forward + backward kda 7.89 -> 7.38, gla 5.30 -> 5.15, gdn (whose backward
+#    re-runs its forward kernels at C = 32) 6.24 -> 6.13 ms. Each alone gained 4-13 %.
+CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"num_stages": 2}, "system": {"num_warps": 2}, "output": {"num_warps": 2},
+                            "scan": {"BV": 64}}
 
 # The backward recomputes the forward's buffers (save policy "recompute") and so may use its own
 # chunk size. Its output kernel holds many more tiles than any forward kernel (every gradient of
@@ -734,33 +742,55 @@ CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"num_stages": 2}}
 # steps cost more than the kernel gained (8.7 ms). The estimate is a lower bound (Triton's
 # temporaries are not counted), so a kernel may exceed the register file by a quarter.
 REGISTER_FILE_BYTES_PER_WARP = 32 * 255 * 4  # 32 threads x 255 registers of 4 bytes
-PRESSURE_TOLERANCE = 1.25
+BACKWARD_PRESSURE_TOLERANCE = 1.25
+# The forward picks its chunk size by the same estimate, with less slack: its kernels are shorter,
+# so the scan's steps (twice as many at half the chunk size) weigh less against a spilling kernel.
+# Measured on the H200 (4 x 4096, H = HV = 16, K = V = 128, bf16, forward alone): kda (apply 1.26x
+# the register file at C = 64, 0.63x at 32) took 2.91 ms at 64 and 1.90 ms at 32; gla (output
+# 1.13x / 0.53x) 1.20 and 1.02 ms; gdn (output 0.88x) is as fast or faster at 64 (1.21 vs 1.24
+# ms at 4 x 4096 with HV = 32, 2.12 vs 2.70 ms at 1 x 65536).
+FORWARD_PRESSURE_TOLERANCE = 1.1
 PRESSURE_HEAD_DIM = 128  # the head dimension the estimate assumes (K = V)
 CHUNK_SIZE_CHOICES = (64, 32, 16)
+PRECISION_OPERAND_BYTES = {"input": 2, "tf32": 4}  # the estimate assumes 16-bit inputs
 
 
 def backward_chunk_sizes(backward: ChunkPlans, largest_sizes: dict) -> dict[str, int]:
     """Per precision, the largest chunk size at which every backward kernel's live tiles
-    (pressure.peak_tile_bytes) stay within PRESSURE_TOLERANCE x its program's register file, at
-    most the module's largest (largest_sizes: its LARGEST_CHUNK_SIZE)."""
+    (pressure.peak_tile_bytes) stay within BACKWARD_PRESSURE_TOLERANCE x its program's register
+    file, at most the module's largest (largest_sizes: its LARGEST_CHUNK_SIZE)."""
     prog, plan = backward.graph.program, backward.plans[0]
-    sizes = {}
-    for precision in ("input", "tf32"):
-        largest = largest_sizes[precision, False]  # the estimate assumes K = PRESSURE_HEAD_DIM
-        fits = [c for c in CHUNK_SIZE_CHOICES if c <= largest and _fits_registers(prog, plan, c, precision)]
-        sizes[precision] = fits[0] if fits else CHUNK_SIZE_CHOICES[-1]
-    return sizes
+    return {precision: _largest_fitting_registers(prog, plan, largest_sizes[precision, False], precision,
+                                                  BACKWARD_PRESSURE_TOLERANCE)
+            for precision in PRECISION_OPERAND_BYTES}
 
 
-def _fits_registers(prog: ChunkProgram, plan: Plan, chunk: int, precision: str) -> bool:
+def forward_chunk_sizes(forward: ChunkPlans, largest_sizes: dict) -> dict[tuple[str, str], int]:
+    """Per (plan, precision), the chunk size chunk() runs at where the call gives none: the largest
+    at which every kernel of the plan stays within FORWARD_PRESSURE_TOLERANCE x its registers, at
+    most the module's largest."""
+    prog = forward.graph.program
+    return {(plan.name, precision): _largest_fitting_registers(prog, plan, largest_sizes[precision, False], precision,
+                                                               FORWARD_PRESSURE_TOLERANCE)
+            for plan in forward.plans for precision in PRECISION_OPERAND_BYTES}
+
+
+def _largest_fitting_registers(prog: ChunkProgram, plan: Plan, largest: int, precision: str, tolerance: float) -> int:
+    """The largest of CHUNK_SIZE_CHOICES up to largest (at K = PRESSURE_HEAD_DIM, what the estimate
+    assumes) whose kernels fit tolerance x their registers; the smallest if none does."""
+    fits = [c for c in CHUNK_SIZE_CHOICES if c <= largest and _fits_registers(prog, plan, c, precision, tolerance)]
+    return fits[0] if fits else CHUNK_SIZE_CHOICES[-1]
+
+
+def _fits_registers(prog: ChunkProgram, plan: Plan, chunk: int, precision: str, tolerance: float) -> bool:
     for kernel in plan.kernels:
         if kernel.kind == "scan":  # its tiles do not grow with the chunk size: the state is K x BV
             continue
-        role = "bwd_" + kernel.name
+        role = ("bwd_" if prog.direction == "backward" else "") + kernel.name
         launch = dict(CHUNK_LAUNCH[role], **(CHUNK_LAUNCH_FP32.get(role, {}) if precision == "tf32" else {}))
-        operand_bytes = 4 if precision == "tf32" else 2
-        peak = peak_tile_bytes(KernelContext(prog, plan, kernel), chunk, PRESSURE_HEAD_DIM, launch["BV"], operand_bytes)
-        if peak > PRESSURE_TOLERANCE * launch["num_warps"] * REGISTER_FILE_BYTES_PER_WARP:
+        peak = peak_tile_bytes(KernelContext(prog, plan, kernel), chunk, PRESSURE_HEAD_DIM, launch["BV"],
+                               PRECISION_OPERAND_BYTES[precision])
+        if peak > tolerance * launch["num_warps"] * REGISTER_FILE_BYTES_PER_WARP:
             return False
     return True
 
@@ -894,6 +924,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         launch_small_chunk=repr(CHUNK_LAUNCH_SMALL_CHUNK),
         largest_chunk_size=repr(largest),
         backward_chunk_size=repr(backward_chunk_sizes(item.backward, largest)),
+        forward_chunk_size=repr(forward_chunk_sizes(plans, largest)),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p) for p in plans.plans],
         backward=_backward_launcher(item),
