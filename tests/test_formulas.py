@@ -4,6 +4,7 @@ non-integer powers only of bases that cannot be negative, and decays that cannot
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 
 import lrdsl
@@ -39,6 +40,8 @@ POWERS = {
     "negative_constant_base": ("-softplus(a + (-2)**3 / 8)", "sigmoid(b * (-0.5)**(-3))"),
     "fractional_of_nonnegative": ("-softplus(a)**1.5", "sqrt(sigmoid(b)) * (b*b + 1)**(-0.25)"),
     "symbolic_exponent": ("-exp(a)**0.3", "sigmoid(b) ** sigmoid(a)"),
+    # the oracle fuzzer's find: x**2.0 inside softplus hid that the square root's base is positive
+    "fractional_of_whole_float_power": ("-sqrt(softplus(a**2.0))", "sigmoid(b)**(b**2.0 / 2 + 0.5)"),
 }
 
 
@@ -59,6 +62,13 @@ def test_integer_powers_print_as_products():
     assert to_triton(parse_formula("x**5", {"x"}), names) == "(b_x * square(square(b_x)))"
     assert to_triton(parse_formula("x**(-2.0)", {"x"}), names) == "(1.0 / (b_x * b_x))"
     assert "log2" not in to_triton(parse_formula("x**100", {"x"}), names)
+
+
+def test_whole_float_exponents_parse_as_integers():
+    """x**2.0 is x**2: with a Float exponent sympy cannot tell the power is real, and so refused
+    sqrt(softplus(x**2.0)) as a possibly negative base raised to a fractional power."""
+    assert parse_formula("x**2.0 + (x + 1)**(-3.0)", {"x"}) == parse_formula("x**2 + (x + 1)**(-3)", {"x"})
+    assert parse_formula("x**2.5", {"x"}).exp == sympy.Float(2.5)
 
 
 def _spec_error(path) -> str:

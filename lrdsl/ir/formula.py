@@ -148,7 +148,16 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
             f"formula {text!r} writes the number {beyond[0]}, beyond fp32's range (|x| <= 3.4e38): "
             "the kernels would compute inf"
         )
-    return expr
+    return whole_exponents_as_integers(expr)
+
+
+def whole_exponents_as_integers(expr: sympy.Expr) -> sympy.Expr:
+    """x**2.0 as x**2: sympy treats a Float exponent as possibly fractional, so it cannot tell
+    that x**2.0 is real and non-negative, and softplus(x**2.0) would not count as positive."""
+    return expr.replace(
+        lambda e: e.is_Pow and e.exp.is_Float and float(e.exp).is_integer(),
+        lambda e: sympy.Pow(e.base, int(e.exp)),
+    )
 
 
 def written_numbers(text: str) -> list[str]:
