@@ -71,6 +71,27 @@ def test_whole_float_exponents_parse_as_integers():
     assert parse_formula("x**2.5", {"x"}).exp == sympy.Float(2.5)
 
 
+@pytest.mark.parametrize("beta, shown, result", [("2 * sigmoid(-125)", "1.03e-54", "0"), ("exp(100) / exp(99.5)", None, None),
+                                                ("sigmoid(b) * exp(-90)", None, None), ("sigmoid(b) + exp(100)", None, None)])
+def test_constants_float32_cannot_hold_are_refused(beta, shown, result, tmp_path):
+    """The oracle fuzzer's find: beta = 2 * sigmoid(-125) is 1e-54, which the kernels compute as 0,
+    so o was 100 % off a float64 oracle. A formula without inputs is evaluated at compile time and
+    refused where float32 cannot hold it; one with inputs is left to its inputs' values."""
+    inputs = (("a", "token"), ("b", "token")) if "b" in beta else (("a", "token"),)
+    path = write(tmp_path, "-softplus(a)", beta, inputs=inputs)
+    if shown is None:
+        run_pipeline(load_spec(path), until="recurrence")
+        return
+    message = _spec_error(path)
+    assert f"formulas.toml:{8 + len(inputs)}: formulas.beta: '{beta}' is the constant {shown}, which float32 cannot hold" in message
+    assert message.endswith(f"the kernels would compute {result}")
+
+
+def test_a_constant_log_decay_beyond_float32_is_refused(tmp_path):
+    message = _spec_error(write(tmp_path, "-exp(100)", "sigmoid(b)", gate="constant", inputs=(("b", "token"),)))
+    assert "formulas.log_decay: '-exp(100)' is the constant -2.69e+43" in message and message.endswith("compute inf")
+
+
 def _spec_error(path) -> str:
     with pytest.raises(SpecError) as info:
         run_pipeline(load_spec(path), until="recurrence")

@@ -95,6 +95,7 @@ RESERVED = {"h": HEAD_INDEX}
 
 # The largest finite fp32 value: the kernels' arithmetic type for every input dtype but fp64.
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_SMALLEST_NORMAL = 1.1754943508222875e-38  # GPU kernels flush smaller numbers to 0
 
 
 class FormulaSyntaxError(ValueError):
@@ -187,6 +188,17 @@ def integer_exponent(exponent: sympy.Expr) -> int | None:
     if exponent.is_Float and float(exponent).is_integer():
         return int(exponent)
     return None
+
+
+def constant_beyond_float32(expr: sympy.Expr) -> float | None:
+    """The value of a formula without inputs when float32 cannot hold it (nonzero but below its
+    smallest normal number, or above its largest: the kernels would compute 0 or inf), else None."""
+    if expr.free_symbols:
+        return None
+    value = abs(float(expr.evalf(30)))
+    if value == 0 or FLOAT32_SMALLEST_NORMAL <= value <= FLOAT32_MAX:
+        return None
+    return float(expr.evalf(30))
 
 
 def non_real_powers(expr: sympy.Expr) -> list[sympy.Pow]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sympy
 
-from ..ir.formula import HEAD_INDEX, as_real, non_real_powers
+from ..ir.formula import HEAD_INDEX, as_real, constant_beyond_float32, non_real_powers
 from ..ir.recurrence import GateKind, Input, Recurrence, UpdateRule
 from ..spec import Spec
 
@@ -89,6 +89,13 @@ def canonicalize(spec: Spec) -> Recurrence:
                 f"formulas.{formula.key}",
                 f"{powers[0]} raises a base that may be negative to a non-integer power, which has no real value "
                 "there; use a base that cannot be negative (e.g. exp(x), sigmoid(x), softplus(x), x**2 + c)",
+            )
+        constant = constant_beyond_float32(formula.expr)
+        if constant is not None:
+            raise spec.error(
+                f"formulas.{formula.key}",
+                f"{formula.text!r} is the constant {constant:.3g}, which float32 cannot hold (nonzero magnitudes "
+                "1.2e-38 to 3.4e38): the kernels would compute " + ("inf" if abs(constant) > 1 else "0"),
             )
     if log_decay is not None and _never_negative(log_decay.expr):
         raise spec.error(
