@@ -44,6 +44,30 @@ def test_q_and_k_are_loaded_after_the_backward_v_loop():
         assert load > loop, f"{name} is loaded before the V loop and held across it"
 
 
+@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7"])
+def test_buffer_tiles_load_just_before_their_first_reader(name):
+    """A buffer tile without a V axis is loaded right before the first statement that reads it,
+    not at the top of its segment, so it holds no registers while unrelated work runs (the
+    apply kernel's solved system T waits for the keys' normalisation). Between the load and
+    that reader there are only comments, other loads and the V loop's header. (The scans load at
+    the top of their loop body, where Triton pipelines the next chunk's loads.)"""
+    source = _generate(name)
+    checked = 0
+    for kernel in [k for k in re.findall(r"def (\w+_kernel)\(", source) if "_scan_" not in k]:
+        lines = _kernel(source, kernel)
+        for index, line in enumerate(lines):
+            loaded = re.match(r"\s*(b_\w+) = tl\.load\(buf_", line)
+            if not loaded or "stored by an earlier kernel" not in lines[index - 1]:  # not a solve's own result
+                continue
+            reader = next(i for i in range(index + 1, len(lines)) if re.search(rf"\b{loaded.group(1)}\b", lines[i]))
+            between = [text.strip() for text in lines[index + 1:reader]]
+            allowed = ("#", "for i_v in range", "o_v = ", "m_v = ")
+            stray = [text for text in between if text and not text.startswith(allowed) and "= tl.load(" not in text]
+            assert not stray, f"{kernel}: {loaded.group(1)} is loaded {len(stray)} statements before its first reader: {stray[:3]}"
+            checked += 1
+    assert checked >= 3, f"{name}: expected buffer loads in its chunk kernels"
+
+
 def test_matmul_only_operands_load_in_the_matmul_dtype():
     lines = _kernel(_generate("gdn"), "gdn_chunk_scan_kernel")
     w_load = next(line for line in lines if line.strip().startswith("b_W = tl.load("))

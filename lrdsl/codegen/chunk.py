@@ -588,13 +588,22 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
         else:
             loops[index].extend(_op_lines(ctx, value))
 
-    for value in ctx.kernel.loads:
-        if not has_v(ctx.shape(value)) and not _read_only_by_solves(ctx, value):  # a solve reads blocks itself
-            plain[first_reader_segment(ctx, place, value) or 0].extend(emit_buffer_load(value, ctx))
+    # a buffer tile without a V axis is loaded just before its first reader in its segment (or
+    # before the segment's V loop when that loop reads it first): loaded at the segment's top, a
+    # tile read only at its end would hold registers through everything in between
+    pending: dict[str, int] = {
+        value: first_reader_segment(ctx, place, value) or 0
+        for value in ctx.kernel.loads
+        if not has_v(ctx.shape(value)) and not _read_only_by_solves(ctx, value)  # a solve reads blocks itself
+    }
     for value in ctx.kernel.computes:
         op = ctx.prog.op(value)
         kind, index = place[value]
         if kind == "plain":
+            for arg in op.args():
+                if pending.get(arg) == index:
+                    plain[index].extend(emit_buffer_load(arg, ctx))
+                    del pending[arg]
             plain[index].extend(_op_lines(ctx, value))
             continue
         for arg in op.args():
@@ -608,6 +617,8 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
         else:
             load_into(index, value)
 
+    for value, index in pending.items():  # read first inside V loop `index`
+        plain[index].extend(emit_buffer_load(value, ctx))
     body = []
     for index in range(count + 1):
         body.extend(indent(plain[index], 4).split("\n") if plain[index] else [])
