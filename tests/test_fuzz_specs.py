@@ -32,7 +32,7 @@ import lrdsl
 from lrdsl import config
 from lrdsl.codegen.names import CHUNK_OPTIONS, reserved_input_name
 from lrdsl.errors import SpecError
-from lrdsl.ir.formula import FUNCTIONS, HEAD_INDEX, parse_formula
+from lrdsl.ir.formula import FUNCTIONS, HEAD_INDEX, FormulaSyntaxError, parse_formula
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.reference import evaluate_formula
 from lrdsl.spec import load_spec
@@ -177,15 +177,25 @@ def valid_specs(draw) -> FuzzSpec:
     used = set()
     for text in (log_decay, beta, *(low_rank or ())):
         if text is not None:
-            used |= {str(s) for s in parse_formula(text, set(names)).free_symbols}
+            used |= _reads(text, names)
     if log_decay is not None:  # sympy may cancel the inputs a gate must read: x - x
-        reads = {str(s) for s in parse_formula(log_decay, set(names)).free_symbols}
+        reads = _reads(log_decay, names)
         assume(gate == "constant" or reads & per_token)
         assume(gate != "key_channel" or reads & per_key)
     for text in low_rank or ():
-        assume({str(s) for s in parse_formula(text, set(names)).free_symbols} & per_key)
+        assume(_reads(text, names) & per_key)
     inputs = tuple((n, roles[n]) for n in names if n in used)
     return FuzzSpec(update, gate, inputs, log_decay, beta, low_rank)
+
+
+def _reads(text: str, names) -> set[str]:
+    """The inputs a drawn formula reads. A draw the parser refuses is discarded, not a valid spec:
+    a constant part can fold to a non-finite number, as softplus(-64) folds to 0 in sympy (and in
+    float32) and softplus(-64)**-0.5 to infinity."""
+    try:
+        return {str(s) for s in parse_formula(text, set(names)).free_symbols}
+    except FormulaSyntaxError:
+        assume(False)
 
 
 def toml_text(document: dict) -> str:
