@@ -355,13 +355,11 @@ def test_backward_keeps_the_forward_chunk_size_when_it_must(options, generator, 
     assert sizes == [64]
 
 
-@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
-def test_saturated_sigmoid_keeps_its_gradient(kernel, generator, device):
-    """beta = sigmoid(b) at b ~ 25: d beta / d b = exp(-25) ~ 1e-11. Written s (1 - s), the
-    derivative cancelled to exactly 0 in float32 (d_b off by 100%); sigmoid(x) sigmoid(-x) keeps it."""
-    rec, mod = recurrence("gdn_qwen35"), module("gdn_qwen35")
+def _assert_saturated_input_keeps_its_gradient(rec, mod, kernel, shift, generator, device):
+    """The gradient of input b (the fifth), shifted by `shift` into its formula's saturation,
+    against the float64 oracle."""
     tensors = sample(rec, Shape(1, 20, 1, 2, 16, 16), torch.float32, generator)
-    tensors[4] = tensors[4] + 25.0  # b
+    tensors[4] = tensors[4] + shift  # b
     leaves = [t.clone().to(device).requires_grad_() for t in tensors]
     options = {"chunk_size": 16} if kernel == "chunk" else {}
     o, _ = getattr(mod, kernel)(*leaves, use_qk_l2norm_in_kernel=True, **options)
@@ -371,6 +369,14 @@ def test_saturated_sigmoid_keeps_its_gradient(kernel, generator, device):
     ref_o, _ = reference.run(rec, *refs, use_qk_l2norm_in_kernel=True)
     expected = torch.autograd.grad(ref_o, refs[4], d_o.double())[0]
     assert expected.abs().max() > 0 and relative_error(got, expected) <= 2e-3
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_saturated_sigmoid_keeps_its_gradient(kernel, generator, device):
+    """beta = sigmoid(b) at b ~ 25: d beta / d b = exp(-25) ~ 1e-11. Written s (1 - s), the
+    derivative cancelled to exactly 0 in float32 (d_b off by 100%); sigmoid(x) sigmoid(-x) keeps it."""
+    rec, mod = recurrence("gdn_qwen35"), module("gdn_qwen35")
+    _assert_saturated_input_keeps_its_gradient(rec, mod, kernel, 25.0, generator, device)
 
 
 TANH_BETA_SPEC = """\
@@ -398,14 +404,4 @@ def test_saturated_tanh_keeps_its_gradient(kernel, tmp_path, generator, device):
     path.write_text(TANH_BETA_SPEC)
     rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
     mod = lrdsl.load(path)
-    tensors = sample(rec, Shape(1, 20, 1, 2, 16, 16), torch.float32, generator)
-    tensors[4] = tensors[4] + 10.0  # b
-    leaves = [t.clone().to(device).requires_grad_() for t in tensors]
-    options = {"chunk_size": 16} if kernel == "chunk" else {}
-    o, _ = getattr(mod, kernel)(*leaves, use_qk_l2norm_in_kernel=True, **options)
-    d_o = torch.randn(o.shape, generator=generator)
-    got = torch.autograd.grad(o, leaves[4], d_o.to(device))[0]
-    refs = [t.double().requires_grad_() for t in tensors]
-    ref_o, _ = reference.run(rec, *refs, use_qk_l2norm_in_kernel=True)
-    expected = torch.autograd.grad(ref_o, refs[4], d_o.double())[0]
-    assert expected.abs().max() > 0 and relative_error(got, expected) <= 2e-3
+    _assert_saturated_input_keeps_its_gradient(rec, mod, kernel, 10.0, generator, device)
