@@ -103,24 +103,25 @@ class _LaunchRecorder:
 
 
 def _compile(fn, args, kwargs, arch: int):
+    """Compile one recorded launch as a real launch would: Triton's own argument binder gives the
+    signature, the constants and the specialisation attributes (pointers aligned to 16 bytes,
+    integers divisible by 16 or equal to 1), which decide vectorised and pipelined loads. Without
+    them every load would be compiled as unaligned scalar loads, and the registers, spills and
+    software pipelining reported would not be the GPU's."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-    bound = dict(zip(fn.arg_names, args), **kwargs)
-    constexprs, signature = {}, {}
-    for index, name in enumerate(fn.arg_names):
-        value = bound.get(name)
-        if index in fn.constexprs or value is None:
-            constexprs[name] = value
-            signature[name] = "constexpr"
-        else:
-            signature[name] = _signature_type(value)
-    source = ASTSource(fn, signature, constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 128), options=options)
+    target = GPUTarget("cuda", arch, 128)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    launch = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
     shown = {k: v for k, v in bound.items() if k == "BV" or (k in SERVING_FLAGS and v)}
-    return compiled, options, shown
+    return compiled, launch, shown
 
 
 # The recurrent kernel's serving variants, each its own compilation (shown in the report when on)

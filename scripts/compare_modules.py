@@ -117,6 +117,9 @@ for s in args.shapes.split(","):
             BV, w, st = map(int, cfg.split(","))
             saved = dict(m.CHUNK_LAUNCH[role])
             m.CHUNK_LAUNCH[role] = {"BV": BV, "num_warps": w, "num_stages": st}
+            # the variant is the whole setting: no shape-dependent override replaces part of it
+            overrides = [table for table in (m.CHUNK_LAUNCH_SMALL_CHUNK, m.CHUNK_LAUNCH_FEW_PROGRAMS) if role in table]
+            popped = [table.pop(role) for table in overrides]
             try:
                 ms, peak, cold, out = timeit(lambda: run(m.chunk, leaves, d_o, args.backward))
                 diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
@@ -124,6 +127,8 @@ for s in args.shapes.split(","):
             except Exception as e:
                 rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, error=str(e)[:200])
             m.CHUNK_LAUNCH[role] = saved
+            for table, setting in zip(overrides, popped):
+                table[role] = setting
     if args.profile and s in args.profile.split("+"):
         from torch.profiler import profile, ProfilerActivity
         for name, fn in impls:
