@@ -119,7 +119,7 @@ def _compile(fn, args, kwargs, arch: int):
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-    launch = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
+    launch = {key: kwargs[key] for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
     shown = {k: v for k, v in bound.items() if k == "BV" or (k in SERVING_FLAGS and v)}
     return compiled, launch, shown
 

@@ -1,6 +1,7 @@
-"""Time several generated gdn modules side by side with fla-core, in one process (GPU).
+"""Time several generated modules of one spec (gdn unless --spec) side by side, with fla-core's
+gdn for gdn, in one process (GPU).
 
-Each module is a file written by `lrdsl compile specs/gdn.toml -o NAME.py` (from different
+Each module is a file written by `lrdsl compile specs/SPEC.toml -o NAME.py` (from different
 commits or codegen choices); every one runs on the same inputs, and its outputs (and with
 --backward its gradients) are compared with the first implementation's. BENCHMARKS.md's
 "how we got here" table came from this:
@@ -23,6 +24,7 @@ from lrdsl.spec import load_spec
 OUT = os.environ.get("OUT", "/tmp")
 p = argparse.ArgumentParser()
 p.add_argument("--mods", default="mods/*.py")
+p.add_argument("--spec", default="specs/gdn.toml")  # the spec every module was compiled from
 p.add_argument("--shapes", default="4x4096x16x32,1x32768x16x32,1x65536x2x8")
 p.add_argument("--backward", action="store_true")
 p.add_argument("--fla", action="store_true")
@@ -32,7 +34,9 @@ p.add_argument("--oracle", default="")  # comma list of module names
 p.add_argument("--precision", default="input")  # lrdsl modules' precision= (FLA has none)
 args = p.parse_args()
 
-rec = run_pipeline(load_spec("specs/gdn.toml"), until="recurrence")["recurrence"]
+rec = run_pipeline(load_spec(args.spec), until="recurrence")["recurrence"]
+if args.fla and rec.name not in ("gdn", "gdn_qwen35"):
+    sys.exit(f"--fla compares with FLA's gated delta rule; {args.spec} is not gdn")
 
 def load(path):
     name = os.path.splitext(os.path.basename(path))[0]
@@ -116,7 +120,7 @@ for s in args.shapes.split(","):
             role, cfg = rest.split("=")
             BV, w, st = map(int, cfg.split(","))
             saved = dict(m.CHUNK_LAUNCH[role])
-            m.CHUNK_LAUNCH[role] = {"BV": BV, "num_warps": w, "num_stages": st}
+            m.CHUNK_LAUNCH[role] = {**saved, "BV": BV, "num_warps": w, "num_stages": st}
             # the variant is the whole setting: no shape-dependent override replaces part of it
             overrides = [table for table in (m.CHUNK_LAUNCH_SMALL_CHUNK, m.CHUNK_LAUNCH_FEW_PROGRAMS) if role in table]
             popped = [table.pop(role) for table in overrides]

@@ -683,11 +683,17 @@ CHUNK_LAUNCH = {
     # register shuffles, with no shared memory or barrier between warps (H200, 4 x 4096: the
     # forward 1.337 -> 1.167 ms against 4 warps)
     "solve": {"BV": 64, "num_warps": 1, "num_stages": 2},
-    "apply": {"BV": 64, "num_warps": 4, "num_stages": 2},
-    "scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
-    "output": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    # apply and output: a third stage hides their tile loads (H200, gdn forward 1.214 -> 1.192 ms
+    # each at 4 x 4096, 2.140 -> 2.127 / 2.109 ms at 1 x 65536)
+    "apply": {"BV": 64, "num_warps": 4, "num_stages": 3},
+    # the scans: 64 value columns per program where that still gives every multiprocessor a
+    # program (CHUNK_LAUNCH_FEW_PROGRAMS below otherwise): each chunk's keys and W are read once
+    # for twice the columns (gdn forward at 4 x 4096: 1.214 -> 1.147 ms; forward + backward with
+    # the backward scan so: 6.127 -> 5.651 ms)
+    "scan": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "output": {"BV": 64, "num_warps": 4, "num_stages": 3},
     "bwd_prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
-    "bwd_scan": {"BV": 32, "num_warps": 4, "num_stages": 2},
+    "bwd_scan": {"BV": 64, "num_warps": 4, "num_stages": 3},
     "bwd_output": {"BV": 64, "num_warps": 8, "num_stages": 1},
 }
 # Smaller settings where the backward's output kernel holds larger tiles, else it runs out of
@@ -729,21 +735,25 @@ def largest_chunk_sizes(item: BackwardPlan) -> dict:
                        f"decayed products, more than any chunk size was measured to fit (python -m lrdsl.resources)")
 
 
-# Measured on the H200 (BENCHMARKS.md): 3 stages cut the forward scan at 1 x 65536 with 8 value
-# heads (32 programs) from 1.64 to 1.28 ms per call, and slowed it at 4 x 4096 (512 programs).
-# The backward scan has the same loop-carried structure.
-CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"num_stages": 3}, "bwd_scan": {"num_stages": 3}}
+# The scan walks a sequence's chunks one after another, so where its programs at 64 value columns
+# would leave multiprocessors idle (few sequences x heads) it takes 32 columns (twice the
+# programs) and a deeper pipeline, which hides each step's loads behind the previous step's
+# matmuls. Measured on the H200, gdn 1 x 65536 with 8 value heads (16 programs at 64 columns):
+# forward 2.893 ms at 64 columns, 2.140 at 32 with 3 stages, 1.981 with 4; the backward scan
+# 13.27 / 11.49 (3 stages) / 11.52 ms (4) forward + backward; at 1 x 32768 with 32 value heads
+# (64 programs at 64 columns) the forward took 2.826 (64 columns), 2.460 (64, 4 stages) and
+# 2.395 ms (32, 4 stages), the backward scan 11.97 ms at 64 columns against 11.64 at 32.
+CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"BV": 32, "num_stages": 4}, "bwd_scan": {"BV": 32, "num_stages": 3}}
 # Below the largest chunk size (C = 32: the backward's usual case, and kda's and gla's forward)
 # tiles are half as tall, and the settings change where that was measured to pay (H200, bf16):
-#  - the backward output kernel pipelines its V loop in 2 stages: 7.27 -> 6.88 ms forward +
-#    backward at 4 x 4096 (gdn); at C = 64 one stage was 2.4 ms faster (spills bind there);
-#  - the system and output kernels run 2 warps (32-row tiles give 4 warps little to share) and
-#    the scan 64 value columns per program (half the programs, each reading its chunk's keys once
-#    for twice the columns): kda's forward 1.90 -> 1.59 ms, gla's 1.02 -> 0.86 ms (4 x 4096,
-#    H = HV = 16); forward + backward kda 7.89 -> 7.38, gla 5.30 -> 5.15, gdn (whose backward
-#    re-runs its forward kernels at C = 32) 6.24 -> 6.13 ms. Each alone gained 4-13 %.
-CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"num_stages": 2}, "system": {"num_warps": 2}, "output": {"num_warps": 2},
-                            "scan": {"BV": 64}}
+#  - the backward output kernel takes 128 value columns per program in 2 stages: 7.27 -> 6.88 ms
+#    forward + backward at 4 x 4096 (gdn) for the 2 stages, 6.127 -> 5.652 ms for the 128
+#    columns; at C = 64 one stage was 2.4 ms faster (spills bind there);
+#  - the system and output kernels run 2 warps (32-row tiles give 4 warps little to share):
+#    kda's forward 1.90 -> 1.59 ms, gla's 1.02 -> 0.86 ms (4 x 4096, H = HV = 16) together with
+#    the scan's 64 columns. Each alone gained 4-13 %.
+CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 2}, "system": {"num_warps": 2},
+                            "output": {"num_warps": 2}}
 
 # The backward recomputes the forward's buffers (save policy "recompute") and so may use its own
 # chunk size. Its output kernel holds many more tiles than any forward kernel (every gradient of
