@@ -122,7 +122,7 @@ for s in args.shapes.split(","):
             saved = dict(m.CHUNK_LAUNCH[role])
             m.CHUNK_LAUNCH[role] = {**saved, "BV": BV, "num_warps": w, "num_stages": st}
             # the variant is the whole setting: no shape-dependent override replaces part of it
-            overrides = [table for table in (m.CHUNK_LAUNCH_SMALL_CHUNK, m.CHUNK_LAUNCH_FEW_PROGRAMS) if role in table]
+            overrides = [table for table in (m.CHUNK_LAUNCH_SMALL_CHUNK, m.CHUNK_LAUNCH_FEW_PROGRAMS, getattr(m, "CHUNK_LAUNCH_FEWER_PROGRAMS", {})) if role in table]
             popped = [table.pop(role) for table in overrides]
             try:
                 ms, peak, cold, out = timeit(lambda: run(m.chunk, leaves, d_o, args.backward))

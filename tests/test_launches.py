@@ -179,3 +179,41 @@ def test_chunk_sizes_of_wide_inputs_fit_a_gpu_block():
     assert [largest(torch.bfloat16, 256), largest(torch.bfloat16, 256, precision="tf32")] == [64, 32]
     assert [largest(torch.float32, 128), largest(torch.float32, 256), largest(torch.float64, 64)] == [64, 32, 16]
     assert [largest(torch.float32, 256, "cpu"), largest(torch.float64, 256, "cpu")] == [64, 64]
+
+
+def _launch(monkeypatch, name, role, *, N, HV, BT, dtype=torch.bfloat16, K=128, precision="input"):
+    """The launch settings module `name` picks for `role` on a GPU of 132 multiprocessors (an H200)."""
+    mod = module(name)
+    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 132)
+    call = dict(precision=precision, K=K, V=128, N=N, HV=HV, BT=BT, q=torch.empty(0, dtype=dtype))
+    return mod._launch(role, call)
+
+
+@pytest.mark.parametrize("role", ["scan", "bwd_scan"])
+def test_scan_value_blocks_narrow_as_programs_become_few(monkeypatch, role):
+    """The scans take 64 value columns while that gives every multiprocessor a program, else 32
+    with a deeper pipeline, else (fewer programs than half the multiprocessors even so) 16."""
+    many = _launch(monkeypatch, "gdn", role, N=4, HV=32, BT=64)  # 256 programs at 64 columns
+    few = _launch(monkeypatch, "gdn", role, N=1, HV=32, BT=64)  # 64 at 64, 128 at 32
+    fewer = _launch(monkeypatch, "gdn", role, N=1, HV=8, BT=64)  # 16 at 64, 32 at 32
+    assert (many["BV"], few["BV"], fewer["BV"]) == (64, 32, 16)
+    assert few["num_stages"] > 2 and fewer["num_stages"] == few["num_stages"]
+
+
+def test_backward_output_widens_its_value_blocks_only_where_that_was_measured_to_pay(monkeypatch):
+    """128 value columns below the largest chunk size for 16-bit inputs of a spec without
+    per-key-channel decayed products (gdn); 64 at the largest chunk size, for fp32 inputs, and
+    for a key-channel spec (gla), whose backward was slower at 128."""
+    def columns(name, BT, dtype=torch.bfloat16):
+        return _launch(monkeypatch, name, "bwd_output", N=4, HV=32, BT=BT, dtype=dtype)["BV"]
+
+    assert columns("gdn", 32) == 128
+    assert columns("gdn", 64) == columns("gdn", 32, torch.float32) == columns("gla", 32) == 64
+
+
+def test_wide_operands_keep_the_scan_settings_they_were_checked_with(monkeypatch):
+    """fp32 inputs, precision="tf32" and K > 128 take twice the shared memory per tile: the scan
+    keeps 32 value columns and 2 stages there, whatever the programs."""
+    for options in (dict(dtype=torch.float32), dict(precision="tf32"), dict(K=256)):
+        launch = _launch(monkeypatch, "gdn", "scan", N=4, HV=32, BT=32, **options)
+        assert (launch["BV"], launch["num_stages"]) == (32, 2), options

@@ -698,10 +698,18 @@ CHUNK_LAUNCH = {
 }
 # Smaller settings where the backward's output kernel holds larger tiles, else it runs out of
 # shared memory: K > 128 key channels (bf16 operands), or fp32 operands (precision="tf32").
-# Forward kernels keep their settings: with BK = 256, BV = 32 and one stage the forward output
-# kernel computed wrong results on the H200 (triton 3.6.0), while these were checked there.
-CHUNK_LAUNCH_WIDE_K = {"bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
-CHUNK_LAUNCH_FP32 = {"bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
+# The forward output kernel keeps 32 columns and 2 stages: with BK = 256, BV = 32 and one stage it
+# computed wrong results on the H200 (triton 3.6.0), while these were checked there.
+# The scans, apply and output keep there the settings they were checked with (32 value columns,
+# 2 stages): the wider or deeper ones above were measured at K = 128 with 16-bit operands only.
+_CHECKED_WIDE = {"scan": {"BV": 32, "num_stages": 2}, "bwd_scan": {"BV": 32, "num_stages": 2},
+                 "apply": {"num_stages": 2}, "output": {"num_stages": 2}}
+CHUNK_LAUNCH_WIDE_K = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
+CHUNK_LAUNCH_FP32 = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
+# fp32 and fp64 inputs multiply in their own width whatever the precision: their tiles take twice
+# (four times) the shared memory of 16-bit ones, so none of the wider settings for 16-bit inputs
+# apply (128 value columns for the backward output kernel would need 304,640 bytes at C = 32).
+CHUNK_LAUNCH_WIDE_INPUTS = {**_CHECKED_WIDE}
 # The largest chunk size whose kernels fit an sm_90 block's shared memory (232,448 bytes), by
 # (precision, K > 128), after how many per-key-channel decayed products (DecayedGram,
 # DecayedMatMul: each holds C x K operand tiles) the backward's output kernel, the largest
@@ -722,12 +730,18 @@ LARGEST_CHUNK_SIZES = (  # (at most this many decayed products, {(precision, K >
 )
 
 
+def backward_key_channel_products(item: BackwardPlan) -> int:
+    """How many per-key-channel decayed products the backward's output kernel computes."""
+    prog = item.backward.graph.program
+    output = next(k for k in item.backward.plans[0].kernels if k.name == "output")
+    return sum(isinstance(prog.op(value), KEY_CHANNEL_OPS) for value in output.computes)
+
+
 def largest_chunk_sizes(item: BackwardPlan) -> dict:
     """The generated module's LARGEST_CHUNK_SIZE, from what the backward's output kernel computes
     (how many per-key-channel decayed products), never from the spec's name."""
     prog = item.backward.graph.program
-    output = next(k for k in item.backward.plans[0].kernels if k.name == "output")
-    products = sum(isinstance(prog.op(value), KEY_CHANNEL_OPS) for value in output.computes)
+    products = backward_key_channel_products(item)
     for most, sizes in LARGEST_CHUNK_SIZES:
         if products <= most:
             return sizes
@@ -744,6 +758,11 @@ def largest_chunk_sizes(item: BackwardPlan) -> dict:
 # (64 programs at 64 columns) the forward took 2.826 (64 columns), 2.460 (64, 4 stages) and
 # 2.395 ms (32, 4 stages), the backward scan 11.97 ms at 64 columns against 11.64 at 32.
 CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"BV": 32, "num_stages": 4}, "bwd_scan": {"BV": 32, "num_stages": 3}}
+# Where even 32 columns give fewer programs than half the multiprocessors, 16 (the narrowest tile
+# a matmul takes): gdn 1 x 65536 with 8 value heads (32 programs at 32 columns) forward 1.902 ->
+# 1.867 ms, forward + backward (the backward scan so) 10.328 -> 9.987 ms. At 1 x 32768 with 32
+# value heads (128 programs at 32 columns) 16 columns were slower: 2.357 -> 2.808 and 11.44 -> 11.59.
+CHUNK_LAUNCH_FEWER_PROGRAMS = {"scan": {"BV": 16}, "bwd_scan": {"BV": 16}}
 # Below the largest chunk size (C = 32: the backward's usual case, and kda's and gla's forward)
 # tiles are half as tall, and the settings change where that was measured to pay (H200, bf16):
 #  - the backward output kernel takes 128 value columns per program in 2 stages: 7.27 -> 6.88 ms
@@ -752,8 +771,11 @@ CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"BV": 32, "num_stages": 4}, "bwd_scan": {"
 #  - the system and output kernels run 2 warps (32-row tiles give 4 warps little to share):
 #    kda's forward 1.90 -> 1.59 ms, gla's 1.02 -> 0.86 ms (4 x 4096, H = HV = 16) together with
 #    the scan's 64 columns. Each alone gained 4-13 %.
+#    Not where the kernel computes per-key-channel decayed products (their C x K operand tiles
+#    come on top): gla's forward + backward took 5.654 ms at 128 columns, 5.353 at 64.
 CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 2}, "system": {"num_warps": 2},
                             "output": {"num_warps": 2}}
+CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**CHUNK_LAUNCH_SMALL_CHUNK, "bwd_output": {"num_stages": 2}}
 
 # The backward recomputes the forward's buffers (save policy "recompute") and so may use its own
 # chunk size. Its output kernel holds many more tiles than any forward kernel (every gradient of
@@ -941,8 +963,11 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         launch=repr(CHUNK_LAUNCH),
         launch_wide=repr(CHUNK_LAUNCH_WIDE_K),
         launch_fp32=repr(CHUNK_LAUNCH_FP32),
+        launch_wide_inputs=repr(CHUNK_LAUNCH_WIDE_INPUTS),
         launch_few_programs=repr(CHUNK_LAUNCH_FEW_PROGRAMS),
-        launch_small_chunk=repr(CHUNK_LAUNCH_SMALL_CHUNK),
+        launch_fewer_programs=repr(CHUNK_LAUNCH_FEWER_PROGRAMS),
+        launch_small_chunk=repr(CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL if backward_key_channel_products(item)
+                                else CHUNK_LAUNCH_SMALL_CHUNK),
         largest_chunk_size=repr(largest),
         backward_chunk_size=repr(backward_chunk_sizes(item.backward, largest)),
         forward_chunk_size=repr(forward_chunk_sizes(plans, largest)),
