@@ -10,7 +10,7 @@ memory on sm_90). So what only the GPU compiler rejects (a tl.dot dimension unde
 register pressure and shared-memory overflows show up in CI, not on the GPU.
 
     python -m lrdsl.resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
-                              [--chunk-size C] [--kernels TEXT]
+                              [--chunk-size C|default] [--kernels TEXT]
 
 A chunk size over the module's largest for the shape (largest_chunk_size) is refused by chunk()
 itself, as for any call.
@@ -208,8 +208,10 @@ def main(argv=None) -> int:
     p.add_argument("--shape", action="append", help="B,T,H,HV,K,V (repeat for several; default 1,256,2,4,128,128)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp64"))
     p.add_argument("--precision", default="input", choices=("input", "tf32"))
-    p.add_argument("--chunk-size", type=int, default=None,
-                   help="default: the module's for the shape and precision (largest_chunk_size)")
+    p.add_argument("--chunk-size", default=None, metavar="C",
+                   help="a chunk size for forward and backward alike (default: the module's largest for the "
+                        "shape and precision, largest_chunk_size), or 'default': what a call without chunk_size "
+                        "runs (the forward's FORWARD_CHUNK_SIZE, the backward's own BACKWARD_CHUNK_SIZE)")
     p.add_argument("--kernels", default="", metavar="TEXT", help="only the kernels whose name contains TEXT")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
@@ -219,8 +221,14 @@ def main(argv=None) -> int:
         module = load(spec)
         for text in args.shape or ["1,256,2,4,128,128"]:
             shape = Shape(*map(int, text.split(",")))
-            chunk_size = args.chunk_size or module.largest_chunk_size(shape.K, args.precision, dtype)
-            print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}  chunk_size={chunk_size}  sm_90")
+            largest = module.largest_chunk_size(shape.K, args.precision, dtype)
+            if args.chunk_size == "default":
+                chunk_size, forward = None, min(module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, args.precision], largest)
+                shown = f"default (forward {forward}, backward {min(module.BACKWARD_CHUNK_SIZE[args.precision], forward)})"
+            else:
+                chunk_size = int(args.chunk_size) if args.chunk_size else largest
+                shown = chunk_size
+            print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}  chunk_size={shown}  sm_90")
             report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=chunk_size, only=args.kernels)
             for row in report:
                 print(row.describe())

@@ -76,3 +76,13 @@ def test_report_compiles_what_a_launch_compiles():
         registers = int(re.search(r"regs +(\d+)", row).group(1))
         spills = int(re.search(r"spills +(\d+) B", row).group(1))
         assert spills == 0 and registers < 255, row
+
+
+def test_default_chunk_sizes_report_the_backward_at_its_own():
+    """--chunk-size default compiles what a call without chunk_size runs: gdn's forward at 64 and
+    its backward at its own BACKWARD_CHUNK_SIZE (32 at K = 128), not at the forward's."""
+    sections = compile_for_sm90(["gdn"], ["1,128,1,2,128,128"], "--chunk-size", "default", "--kernels", "bwd_output")
+    [(header, rows)] = sections.items()
+    assert "chunk_size=default (forward 64, backward 32)" in header, header
+    # 128 value columns in 2 stages: the backward output kernel's settings below the largest chunk size
+    assert len(rows) == 1 and "num_stages=2" in rows[0] and "BV=128" in rows[0], rows
