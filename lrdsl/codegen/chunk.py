@@ -713,15 +713,18 @@ CHUNK_LAUNCH_WIDE_INPUTS = {**_CHECKED_WIDE}
 # The largest chunk size whose kernels fit an sm_90 block's shared memory (232,448 bytes), by
 # (precision, K > 128), after how many per-key-channel decayed products (DecayedGram,
 # DecayedMatMul: each holds C x K operand tiles) the backward's output kernel, the largest
-# kernel, computes. Measured with `python -m lrdsl.resources` on that kernel (bytes):
-#   0 (gdn, scalar gates)   C = 64: 165,888 (K = 128); fp32 operands ("tf32") 262,144, over, so
-#                           tf32 takes C <= 32 everywhere (gdn at K = 256: 163,840)
+# kernel, computes. Measured with `python -m lrdsl.resources SPEC --chunk-size C --kernels
+# bwd_output` on that kernel at its launch settings (bytes; the sizes chunk() refuses, marked
+# over, were compiled with the module's LARGEST_CHUNK_SIZE lifted in the measuring process):
+#   0 (gdn, scalar gates)   C = 64: 73,728 (K = 128), 139,264 (K = 256); fp32 operands ("tf32")
+#                           at C = 64, K = 128: 237,568, over, so tf32 takes C <= 32 everywhere
+#                           (73,728 at C = 32)
 #   3 (gla)                 C = 64, K = 256: 98,304
-#   5 (kda and variants)    C = 64: 155,648 at K = 128, 303,104 at K = 256 (over; 40,960 at C = 32);
+#   5 (kda and variants)    C = 64: 155,648 at K = 128, 303,104 at K = 256 (over; 36,864 at C = 32);
 #                           tf32 C = 32: 69,632 / 118,784
-#   10 (rwkv7, dplr)        C = 64, K = 128: 434,176 (over; 135,168 at C = 32, 212,992 at K = 256);
-#                           tf32 C = 32, K = 128: 282,624 (over; 129,024 at C = 16); tf32 at K = 256
-#                           235,520 even at C = 16: no chunk size fits (None), chunk() refuses it
+#   10 (rwkv7, dplr)        C = 64, K = 128: 417,792 (over; 126,976 at C = 32, 212,992 at K = 256);
+#                           tf32 C = 32, K = 128: 282,624 (over; 120,832 at C = 16); tf32 at K = 256
+#                           233,472 even at C = 16: no chunk size fits (None), chunk() refuses it
 # A program with more decayed products than measured here is refused at compile time.
 LARGEST_CHUNK_SIZES = (  # (at most this many decayed products, {(precision, K > 128): chunk size or None})
     (3, {("input", False): 64, ("input", True): 64, ("tf32", False): 32, ("tf32", True): 32}),
