@@ -223,8 +223,10 @@ def main(argv=None) -> int:
             shape = Shape(*map(int, text.split(",")))
             largest = module.largest_chunk_size(shape.K, args.precision, dtype)
             if args.chunk_size == "default":
+                # the module's own rules (chunk() takes these with no chunk_size; the backward is free
+                # to choose: no chunk_indices here)
                 chunk_size, forward = None, min(module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, args.precision], largest)
-                shown = f"default (forward {forward}, backward {min(module.BACKWARD_CHUNK_SIZE[args.precision], forward)})"
+                shown = f"default (forward {forward}, backward {module._backward_chunk_size(forward, args.precision, True)})"
             else:
                 chunk_size = int(args.chunk_size) if args.chunk_size else largest
                 shown = chunk_size
