@@ -10,6 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+
+# transformers before 5.24 is not a reference for decode: 5.17's own one-token steps after a
+# prefill differ from its whole-sequence call (0.77 relative, while lrdsl's layer matches that
+# call) and its cache holds no state after a padded prefill. pyproject's test extra pins 5.24.
+pytest.importorskip("transformers", minversion="5.24", reason="the layer tests compare with transformers >= 5.24")
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
