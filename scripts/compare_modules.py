@@ -52,6 +52,7 @@ if args.fla:
     fla = lambda q, k, v, g, beta, **kw: chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, **kw)
 
 results = []
+lost_context = ""  # the sweep row whose kernel fault lost the CUDA context, if one did
 def rec_row(**kw):
     results.append(kw); print(json.dumps(kw), flush=True)
 
@@ -125,14 +126,22 @@ for s in args.shapes.split(","):
             overrides = [table for table in (m.CHUNK_LAUNCH_SMALL_CHUNK, m.CHUNK_LAUNCH_FEW_PROGRAMS, getattr(m, "CHUNK_LAUNCH_FEWER_PROGRAMS", {})) if role in table]
             popped = [table.pop(role) for table in overrides]
             try:
+                if lost_context:
+                    raise RuntimeError(f"not run: the CUDA context was lost at {lost_context}")
                 ms, peak, cold, out = timeit(lambda: run(m.chunk, leaves, d_o, args.backward))
                 diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
                 rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, ms=round(ms, 4), diff=diff)
             except Exception as e:
+                # A fault in a kernel (an illegal address) poisons the process's CUDA context: every
+                # later launch fails too, so only the first such row is about its own setting.
+                if "CUDA error" in str(e) and not lost_context:
+                    lost_context = f"{name} {role}={cfg}"
                 rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, error=str(e)[:200])
             m.CHUNK_LAUNCH[role] = saved
             for table, setting in zip(overrides, popped):
                 table[role] = setting
+    if lost_context:
+        break
     if args.profile and s in args.profile.split("+"):
         from torch.profiler import profile, ProfilerActivity
         for name, fn in impls:
@@ -151,6 +160,8 @@ for s in args.shapes.split(","):
     torch.cuda.empty_cache()
 
 json.dump(results, open(os.path.join(OUT, "perf.json"), "w"), indent=1)
+if lost_context:
+    print(f"CUDA context lost at {lost_context}: later shapes and the profile did not run")
 print("=== summary ===")
 for r in results:
     if r["kind"] == "time":
