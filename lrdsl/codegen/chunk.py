@@ -871,6 +871,7 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 function=kernel_function_name(prog, kernel),
                 grid="key_head_grid" if key_head_results(ctx) else "chunk_grid",
                 args=", ".join(kernel_params(ctx)),
+                params=kernel_params(ctx),
                 # a kernel that stores no buffer is needed only for the results it writes
                 results=[] if kernel.stores else [result_param(role) for role, _ in kernel_results(ctx)],
             )
@@ -892,13 +893,20 @@ def _buffers(plan: Plan) -> list[dict]:
 
 
 def _launcher(prog: ChunkProgram, plan: Plan) -> str:
+    buffers, calls = _buffers(plan), _calls(prog, plan)
+    # Each buffer is allocated just before its first user and released after the last user that
+    # runs, unless the caller keeps it: the memory of a buffer the later kernels no longer read
+    # (the system once solved, the solve's inputs once applied) goes to the next ones.
+    for call in calls:
+        call["allocates"] = [b for b in buffers if b["users"][0] == call["name"]]
+        call["uses"] = [b for b in buffers if call["name"] in b["users"]]
     return render(
         "chunk_launcher.py.jinja",
         plan_name=plan.name,
         summary=plan.summary,
         extras_unpack=_unpack_extras(prog),
-        buffers=_buffers(plan),
-        calls=_calls(prog, plan),
+        buffers=buffers,
+        calls=calls,
     ).rstrip("\n")
 
 
@@ -928,15 +936,32 @@ def _backward_launcher(item: BackwardPlan) -> str:
             )
         )
     result_names = ", ".join(result_param(f"grad:{n}") if f"grad:{n}" in produced else "None" for n in inputs)
+    buffers, calls = _buffers(plan), _calls(prog, plan)
+    # Every array is allocated just before the first kernel that uses it and dropped after the
+    # last one (the forward's buffers too, as the backward reads them): the memory peak is then
+    # what one kernel needs plus what crosses it, not every buffer of the call at once.
+    variables = {b["param"]: b["users"] for b in buffers}
+    variables.update({f"saved_{name}": tuple(c["name"] for c in calls if f"saved_{name}" in c["params"]) for name in item.reads})
+    for call in calls:
+        call["allocates"] = [b for b in buffers if b["users"][0] == call["name"]]
+        call["allocates_results"] = [r for r in results if _first_user(calls, r["param"]) is call]
+        call["releases"] = [v for v, users in variables.items() if users and users[-1] == call["name"]]
     return render(
         "chunk_backward.py.jinja",
         extras_unpack=_unpack_extras(prog),
         saved_names=list(item.reads),
-        buffers=_buffers(plan),
         results=results,
         result_names=result_names,
-        calls=_calls(prog, plan),
+        calls=calls,
     ).rstrip("\n")
+
+
+def _first_user(calls: list[dict], param: str) -> dict:
+    """The first call that takes `param` (a gradient: allocated just before it)."""
+    for call in calls:
+        if param in call["params"]:
+            return call
+    raise CompileError(f"no backward kernel writes {param}")
 
 
 def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:

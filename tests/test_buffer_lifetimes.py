@@ -1,0 +1,66 @@
+"""The launchers free each buffer after the last kernel that reads it: at every kernel launch of a
+forward + backward call, each array the call allocated and still holds is an argument of that
+launch or a later one, or something the call returns (o, the final state, the gradients).
+Holding a buffer past its last reader (the backward's prepare buffers during its output kernel,
+the system once solved) raised the GPU memory peak by one tile-sized buffer per such array."""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from lrdsl import config
+from lrdsl.workloads import Shape
+
+from helpers import module, recurrence, sample
+
+
+class _TrackAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Weak references to every tensor a factory (empty, zeros, ...) creates while active."""
+
+    FACTORIES = ("empty", "empty_strided", "empty_like", "zeros", "zeros_like", "new_empty", "new_zeros", "full")
+
+    def __init__(self):
+        super().__init__()
+        self.allocated = []  # (weakref, shape)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.FACTORIES and out.numel() > 0:
+            self.allocated.append((weakref.ref(out), tuple(out.shape)))
+        return out
+
+    def live(self) -> dict[int, tuple]:
+        """data_ptr -> shape of each allocated tensor still alive."""
+        return {t.data_ptr(): shape for ref, shape in self.allocated if (t := ref()) is not None}
+
+
+@pytest.mark.parametrize("name, plan", [("gdn", "split"), ("gdn", "fused"), ("kda", "split"), ("rwkv7", "split")])
+def test_no_buffer_outlives_its_last_kernel(name, plan, generator, monkeypatch):
+    if not config.interpreting():
+        pytest.skip("records the launches through Triton's CPU interpreter (the launchers are the same on a GPU)")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    rec, mod = recurrence(name), module(name)
+    tracker, launches = _TrackAllocations(), []
+    launch = InterpretedFunction.run
+
+    def recorded(kernel, *args, **kwargs):
+        pointers = {a.data_ptr() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
+        launches.append((kernel.fn.__name__, tracker.live(), pointers))
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    shape = Shape(1, 40, 1, 2, 16, 16)
+    leaves = [t.requires_grad_() for t in sample(rec, shape, torch.float32, generator)]
+    d_o = torch.randn(1, 40, 2, 16, generator=generator)
+    with tracker:
+        o, ht = mod.chunk(*leaves, chunk_size=16, plan=plan, output_final_state=True)
+        grads = torch.autograd.grad((o * d_o).sum() + ht.sum(), leaves)
+    returned = {t.data_ptr() for t in (o, ht, *grads)}
+    assert launches, "no chunk kernel ran"
+    for i, (kernel, live, _) in enumerate(launches):
+        needed = set().union(*(args for _, _, args in launches[i:])) | returned
+        held = {shape for pointer, shape in live.items() if pointer not in needed}
+        assert not held, f"{name} {plan}: at {kernel} the call still holds arrays of shapes {sorted(held)} no later kernel reads"
