@@ -12,9 +12,14 @@ from hypothesis import strategies as st
 
 from lrdsl import reference
 from lrdsl.errors import IRError
-from lrdsl.ir.chunk import Load, NoChunkForm, StateIn
+import sympy
+
+from lrdsl.ir.chunk import Broadcast, Formula as ChunkFormula, Load, NoChunkForm, StateIn
 from lrdsl.ir.evaluate import evaluate_torch
 from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.passes.plan import plan_kernels
+from lrdsl.passes.save_policy import choose_saved, sub_chunk_values
+from lrdsl.passes.stage_graph import build_stage_graph
 from lrdsl.passes.verify import verify
 from lrdsl.prove import prove_backward
 from lrdsl.spec import load_spec
@@ -107,11 +112,76 @@ def test_backward_reads_the_forward_buffers_instead_of_solving():
 def test_save_policies():
     save = stages("gdn")["save"]
     assert save.default_policy == "recompute"
-    recompute, prepare, keep = (save.policy(n) for n in ("recompute", "save_prepare", "save"))
+    recompute, solve, prepare, keep = (save.policy(n) for n in ("recompute", "save_solve", "save_prepare", "save"))
     assert recompute.kept_by("fused") == () and recompute.rerun_by("fused") == ("prepare", "scan")
     assert recompute.rerun_by("split") == ("system", "solve", "apply", "scan")
+    assert solve.kept_by("split") == ("T",) and solve.rerun_by("split") == ("apply", "scan")
+    assert solve.kept_by("fused") == () and solve.rerun_by("fused") == ("prepare", "scan")  # its solve also makes W, U
     assert set(prepare.kept_by("fused")) == {"T", "W", "U", "k_decayed", "G_last"} and prepare.rerun_by("fused") == ("scan",)
     assert set(keep.kept_by("split")) == {"H", "T", "W", "Vn", "k_decayed", "G_last"} and keep.rerun_by("split") == ()
+    # nothing kept, or solved systems only: valid at a chunk size dividing the forward's
+    assert [p.any_chunk_size_by("split") for p in (recompute, solve, prepare, keep)] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "kda", "rwkv7"])
+def test_solved_systems_are_valid_at_a_smaller_chunk_size(name):
+    """The systems and their solutions depend on rows i..j only, not on where the chunk starts;
+    values built on a decay from the chunk start or to its end do not."""
+    prog = stages(name)["chunk"]
+    valid = sub_chunk_values(prog)
+    assert "T" in valid
+    assert not valid & {"gamma", "decay_to_end", "q_decayed", "k_decayed", "W", "U", "G", "H"}
+    assert stages(name)["save"].policy("save_solve").any_chunk_size_by("split")
+
+
+def _evaluate_rows(prog, loads, rows, sizes):
+    """The chunk program on the given rows of the row-wise loads (float64, every row valid)."""
+    env = {name: (x[rows] if prog.op(name).shape[:1] == ("C",) else x) for name, x in loads.items()}
+    count = rows.stop - rows.start
+    return evaluate_torch(prog, env, dict(sizes, C=count), count, l2norm=True)
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_sub_chunk_values_are_the_diagonal_blocks(name, generator):
+    """Numerically, float64: every value sub_chunk_values names, evaluated on an 8-row chunk, has
+    on its diagonal the same value evaluated on each 4-row half alone."""
+    prog = stages(name)["chunk"]
+    sizes = {"C": 8, "K": 5, "V": 4}
+    loads = {}
+    for op in prog.ops:
+        if isinstance(op, (Load, StateIn)):
+            if isinstance(op, Load) and op.source in ("scale", "h"):
+                loads[op.out] = torch.tensor(0.7 if op.source == "scale" else 2.0, dtype=torch.float64)
+                continue
+            x = torch.randn(tuple(sizes[a] for a in op.shape), generator=generator, dtype=torch.float64)
+            if isinstance(op, Load) and op.source == direct_input(prog.recurrence, prog.recurrence.log_decay):
+                x = -x.abs()
+            loads[op.out] = x
+    whole = _evaluate_rows(prog, loads, slice(0, 8), sizes)
+    halves = [(rows, _evaluate_rows(prog, loads, rows, sizes)) for rows in (slice(0, 4), slice(4, 8))]
+    checked = sub_chunk_values(prog)
+    assert checked, name
+    for value in checked:
+        for rows, half in halves:
+            torch.testing.assert_close(whole[value][rows, rows], half[value], rtol=1e-10, atol=1e-12, msg=f"{name} {value}")
+
+
+def test_a_system_scaled_by_a_decay_from_the_chunk_start_is_not_reused():
+    """A system whose rows carry exp2(G_i) (G from the chunk start) changes with the chunk size:
+    save_solve then keeps the backward at the forward's chunk size."""
+    st = stages("gdn")
+    prog = st["chunk"]
+    ops = []
+    for op in prog.ops:
+        if op.out == "A":
+            ops.append(Broadcast("gamma_rows", ("C", "C"), "gamma"))
+            op = ChunkFormula("A", ("C", "C"), sympy.Symbol("A_rows") * sympy.Symbol("KKt_decayed") * sympy.Symbol("gamma_rows"))
+        ops.append(op)
+    scaled = dataclasses.replace(prog, ops=tuple(ops))
+    assert {"KKt_decayed", "A_rows"} <= sub_chunk_values(scaled) and not {"A", "T"} & sub_chunk_values(scaled)
+    save = choose_saved(plan_kernels(build_stage_graph(scaled)), st["backward_plan"])
+    assert save.policy("save_solve").kept_by("split") == ("T",)
+    assert not save.policy("save_solve").any_chunk_size_by("split")
 
 
 def test_verify_catches_a_gradient_of_the_wrong_shape():
@@ -206,7 +276,7 @@ def test_gradients_at_gate_extremes(name, chunk_size, gate, generator, device):
 
 
 @pytest.mark.parametrize("plan", ["fused", "split"])
-@pytest.mark.parametrize("save_policy", ["recompute", "save_prepare", "save"])
+@pytest.mark.parametrize("save_policy", ["recompute", "save_solve", "save_prepare", "save"])
 def test_gradients_every_plan_and_policy(plan, save_policy, generator, device):
     errors = gradient_errors("gdn", GRAD_CASES["gva1_h0_dht"], generator, device, chunk_size=16, plan=plan,
                              save_policy=save_policy)
@@ -342,6 +412,26 @@ def test_backward_recomputes_at_its_own_chunk_size(bounds, generator, device, mo
     case = dict(shape=Shape(1, 100, 1, 2, 16, 16), h0=True, dht=True, bounds=bounds)
     assert_gradients(gradient_errors("gdn", case, generator, device), f"bounds={bounds}")
     assert sizes == [mod.BACKWARD_CHUNK_SIZE["input"]]
+
+
+@pytest.mark.parametrize("name, bounds", [("gdn", None), ("gdn", [0, 3, 70, 100]), ("kda", [0, 45, 100]),
+                                          ("rwkv7", None), ("deltanet", [0, 100])])
+def test_backward_reads_the_forward_systems_at_its_own_chunk_size(name, bounds, generator, device, monkeypatch):
+    """save_solve: the forward keeps its solved systems at its chunk size, the backward runs at a
+    smaller one and reads each sub-chunk's diagonal block; gradients match the float64 oracle
+    (sequences that end inside a forward chunk's first or second half, dense and packed)."""
+    mod = module(name)
+    calls, backward = [], mod._chunk_backward
+    record = lambda c, plan, policy, kept, *rest: calls.append((c["BT"], {n: t.shape[-1] for n, t in kept.items()}))
+    monkeypatch.setattr(mod, "_chunk_backward", lambda *args: record(*args) or backward(*args))
+    forward_size = mod.FORWARD_CHUNK_SIZE["split", "input"]
+    backward_size = mod.BACKWARD_CHUNK_SIZE["input"]
+    if backward_size >= forward_size:
+        backward_size = forward_size // 2  # the spec's backward already runs at the forward's size: pin a smaller one
+        monkeypatch.setitem(mod.BACKWARD_CHUNK_SIZE, "input", backward_size)
+    case = dict(shape=Shape(1, 100, 1, 2, 16, 16), h0=True, dht=True, bounds=bounds)
+    assert_gradients(gradient_errors(name, case, generator, device, save_policy="save_solve"), f"{name} bounds={bounds}")
+    assert calls == [(backward_size, {"T": forward_size})]
 
 
 @pytest.mark.parametrize("options", [dict(chunk_size=64), dict(save_policy="save_prepare")], ids=["pinned", "kept"])

@@ -112,9 +112,17 @@ def test_gpu_chunk_gradients_tf32(name, plan, generator):
     _gradients(name, GRAD_VARLEN, generator, plan=plan, precision="tf32")
 
 
-@pytest.mark.parametrize("save_policy", ["save_prepare", "save"])
+@pytest.mark.parametrize("save_policy", ["save_solve", "save_prepare", "save"])
 def test_gpu_save_policies(save_policy, generator):
     _gradients("gdn", GRAD_VARLEN, generator, save_policy=save_policy)
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7", "deltanet"])
+def test_gpu_save_solve_at_the_backward_chunk_size(name, generator):
+    """save_solve with chunk_size left to lrdsl: the backward at its own chunk size reads the
+    diagonal blocks of the forward's solved systems (bf16, real sizes, dense and varlen)."""
+    _gradients(name, GRAD_DENSE, generator, save_policy="save_solve")
+    _gradients(name, GRAD_VARLEN, generator, save_policy="save_solve")
 
 
 @pytest.mark.parametrize("K, V", [(256, 256), (200, 136), (128, 256)])

@@ -99,6 +99,20 @@ class KernelContext:
     def stored_here(self, value: str) -> bool:
         return value in self.kernel.stores
 
+    def chunk_matrix_source(self) -> str | None:
+        """The parameter of the first C x C buffer made by another kernel that this chunk kernel
+        loads (its width is the kernel's CC_BT), or None."""
+        if self.kernel.kind != "chunk":
+            return None
+        for value in self.kernel.loads:
+            if self.shape(value) == ("C", "C") and not _read_only_by_solves(self, value):  # a solve addresses its blocks itself
+                return buffer_param(value)
+        for value in self.kernel.computes:
+            op = self.prog.op(value)
+            if isinstance(op, Load) and op.source.startswith(SAVED) and op.shape == ("C", "C"):
+                return saved_param(op.source)
+        return None
+
     def load_dtype(self, value: str) -> str:
         """The register dtype a loaded value gets: DOT_DTYPE when only matmuls read it here (a
         16-bit operand stays 16-bit: half the registers, no round trip through fp32), else ACC."""
@@ -123,8 +137,11 @@ def tile_address(shape, row_stride: str, head_offset: str, width: str) -> tuple[
     return offsets, mask
 
 
-def buffer_address(shape) -> tuple[str, str]:
-    """Offsets and mask of this chunk's tile in a buffer (layouts in lrdsl.ir.plan)."""
+def buffer_address(shape, made_elsewhere: bool = False) -> tuple[str, str]:
+    """Offsets and mask of this chunk's tile in a buffer (layouts in lrdsl.ir.plan).
+    made_elsewhere: a C x C tile another kernel stored, maybe at a multiple of this chunk size."""
+    if shape == ("C", "C") and made_elsewhere:
+        return sub_chunk_matrix_address()
     if shape == ():
         return "i_c * HV + i_hv", ""
     if shape == ("K",):
@@ -133,6 +150,15 @@ def buffer_address(shape) -> tuple[str, str]:
         return "(i_c * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]", "m_k[:, None] & m_v[None, :]"
     width = {("C", "K"): "K", ("C", "V"): "V", ("C", "C"): "BT", ("C",): ""}[shape]
     return tile_address(shape, "HV", "i_hv", width)
+
+
+def sub_chunk_matrix_address() -> tuple[str, str]:
+    """A C x C buffer made at chunk size CC_BT, a multiple of BT (the forward call's solved system,
+    which the backward keeps under save_solve while it runs at its own smaller chunk size): each
+    row holds CC_BT columns, and this chunk's tile is the diagonal block of its sub-chunk, which
+    is what solving at BT gives. Where CC_BT == BT the column offset is 0."""
+    offsets = f"{ROW}[:, None] * (HV * CC_BT) + i_hv * CC_BT + (i_t * BT) % CC_BT + o_c[None, :]"
+    return offsets, "m_t[:, None]"
 
 
 def load_line(target: str, pointer: str, offsets: str, mask: str, dtype: str = "ACC") -> str:
@@ -147,7 +173,7 @@ def store_line(pointer: str, offsets: str, mask: str, value: str) -> str:
 
 
 def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
-    offsets, mask = buffer_address(ctx.shape(value))
+    offsets, mask = buffer_address(ctx.shape(value), made_elsewhere=ctx.kernel.kind == "chunk" and not ctx.stored_here(value))
     line = load_line(var(value), buffer_param(value), offsets, mask, ctx.load_dtype(value))
     return [f"# {value}: stored by an earlier kernel", line]
 
@@ -174,7 +200,7 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
         offsets, mask = tile_address(op.shape, "HV", "i_hv", "V")
         return [load_line(target, "v" if op.source == "v" else COTANGENT_POINTER, offsets, mask, ctx.load_dtype(op.out))]
     if op.source.startswith(SAVED):
-        offsets, mask = buffer_address(op.shape)
+        offsets, mask = buffer_address(op.shape, made_elsewhere=ctx.kernel.kind == "chunk")
         return [load_line(target, saved_param(op.source), offsets, mask, ctx.load_dtype(op.out))]
     role = ctx.prog.recurrence.input(op.source).role
     if role is InputRole.HEAD:
@@ -669,7 +695,8 @@ def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
             body=indent(emit_scan_body(ctx), 8),
         )
     body = "\n".join(emit_chunk_body(ctx))
-    return render("chunk_kernel.py.jinja", **common, key_head_programs=bool(key_head_results(ctx)), body=body)
+    return render("chunk_kernel.py.jinja", **common, key_head_programs=bool(key_head_results(ctx)), body=body,
+                  chunk_matrices=ctx.chunk_matrix_source() is not None)
 
 
 # -- the module section ------------------------------------------------------------------------
@@ -872,6 +899,7 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 grid="key_head_grid" if key_head_results(ctx) else "chunk_grid",
                 args=", ".join(kernel_params(ctx)),
                 params=kernel_params(ctx),
+                chunk_matrix_source=ctx.chunk_matrix_source(),
                 # a kernel that stores no buffer is needed only for the results it writes
                 results=[] if kernel.stores else [result_param(role) for role, _ in kernel_results(ctx)],
             )
@@ -977,7 +1005,8 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
                 raise CompileError(f"two plans define kernel {name} differently")
     first = kernel_function_name(prog, plans.plans[0].kernels[0])
     save_policies = {
-        policy.name: {"kept": dict(policy.kept), "rerun": dict(policy.rerun)} for policy in item.policies
+        policy.name: {"kept": dict(policy.kept), "rerun": dict(policy.rerun), "any_chunk_size": dict(policy.any_chunk_size)}
+        for policy in item.policies
     }
     if uses_key_channel_helpers(prog, item.backward.graph.program):
         kernels = {"decayed products": KEY_CHANNEL_HELPERS.rstrip("\n"), **kernels}

@@ -144,12 +144,18 @@ class SavePolicy:
     summary: str
     kept: tuple[tuple[str, tuple[str, ...]], ...]  # (forward plan, buffers kept from the forward call)
     rerun: tuple[tuple[str, tuple[str, ...]], ...]  # (forward plan, forward kernels the backward re-runs)
+    # (forward plan, whether the backward may run at a chunk size dividing the forward's: what it
+    # keeps is valid there)
+    any_chunk_size: tuple[tuple[str, bool], ...] = ()
 
     def kept_by(self, plan: str) -> tuple[str, ...]:
         return dict(self.kept)[plan]
 
     def rerun_by(self, plan: str) -> tuple[str, ...]:
         return dict(self.rerun)[plan]
+
+    def any_chunk_size_by(self, plan: str) -> bool:
+        return dict(self.any_chunk_size).get(plan, False)
 
 
 @dataclass(frozen=True)
@@ -176,8 +182,9 @@ class BackwardPlan:
             lines.append(f"  {policy.name}: {policy.summary}")
             for plan, kept in policy.kept:
                 rerun = policy.rerun_by(plan)
+                size = "its own chunk size" if policy.any_chunk_size_by(plan) else "the forward's chunk size"
                 lines.append(
                     f"    forward plan {plan}: keep {', '.join(kept) or 'nothing'}; "
-                    f"backward re-runs {', '.join(rerun) or 'nothing'}"
+                    f"backward re-runs {', '.join(rerun) or 'nothing'}; at {size}"
                 )
         return "\n".join(lines)

@@ -4,6 +4,9 @@ recompute it by re-running forward kernels in the backward.
 The choice is made per tensor from the forward's stage graph:
     recompute     (default) keep nothing: the backward re-runs the forward kernels that store what
                   it reads (the entry states are B * ceil(T/C) * HV * K * V values: large)
+    save_solve    keep the solved triangular systems (C x C per row) and re-run the rest: a
+                  solution is still valid at a smaller chunk size (its diagonal blocks), so the
+                  backward keeps its own chunk size and skips building and solving its systems
     save_prepare  keep what the prepare phase stores (W, U, the solved system: chunk-local, as
                   large as the inputs) and re-run only the scan for the entry states
     save          keep everything the backward reads; re-run nothing (most memory, least time)
@@ -11,18 +14,116 @@ Kernels a re-run needs are re-run too, unless the buffers they read are kept.
 """
 from __future__ import annotations
 
-from ..ir.chunk import SAVED, ChunkProgram, Load, NoChunkForm
+import sympy
+
+from ..ir.chunk import (
+    SAVED,
+    Band,
+    Broadcast,
+    ChunkProgram,
+    Cumsum,
+    DecayedGram,
+    DecayMatrix,
+    Formula,
+    Load,
+    Mask,
+    MaskRows,
+    MatMul,
+    NoChunkForm,
+    Normalize,
+    UnitLowerInverse,
+)
 from ..ir.plan import BackwardPlan, ChunkPlans, Plan, SavePolicy
 
 POLICIES = {
     "recompute": "keep nothing from the forward; re-run the forward kernels the backward reads from",
+    "save_solve": "keep the solved systems (C x C, chunk-local); re-run the rest, the backward at its own chunk size",
     "save_prepare": "keep the prepare phase's buffers (chunk-local); re-run the scan for the entry states",
     "save": "keep every forward buffer the backward reads; re-run nothing",
 }
 
 
-def _reads(backward: ChunkProgram) -> tuple[str, ...]:
-    return tuple(op.source[len(SAVED):] for op in backward.ops if isinstance(op, Load) and op.source.startswith(SAVED))
+# -- which C x C values a smaller chunk size reproduces -------------------------------------------
+#
+# The backward may run at a chunk size that divides the forward's (its kernels' registers hold
+# smaller tiles). A kept C x C buffer is then read per sub-chunk: its diagonal block. That block
+# equals the value computed at the sub-chunk size when entry (i, j) depends only on rows i and j
+# (and the rows between them, for a triangular solve) and not on where the chunk starts. Values
+# are classed bottom-up:
+#   "row"    per-row values of the row's own inputs (loads, norms, elementwise formulas)
+#   "offset" prefix sums from the chunk start: the start shifts every row by one constant, which
+#            cancels in a difference x_i - x_j (and in a constant multiple of the sum)
+#   "pair"   C x C values whose (i, j) entry depends on rows i..j only, origin-free
+# anything else (a decay to the chunk end, exp2 of a prefix sum, a product over the whole chunk)
+# is "other", and a buffer of it is not read at another chunk size.
+
+_ROW_SHAPES = (("C",), ("C", "K"), ("C", "V"))
+_CONSTANT_SHAPES = ((), ("K",))  # the same for every row: scale, the head index, per-head parameters
+
+
+def _class_of_shape(shape, pair_ok: bool = False) -> str:
+    """The class of an origin-free value of this shape."""
+    if shape in _CONSTANT_SHAPES:
+        return "constant"
+    if shape in _ROW_SHAPES:
+        return "row"
+    return "pair" if pair_ok and shape == ("C", "C") else "other"
+
+
+def _value_classes(prog: ChunkProgram) -> dict[str, object]:
+    """Each value's class: "constant", "row", "pair", "other", or ("offset", sum, factor) for
+    factor * (a prefix sum of `sum` from the chunk start)."""
+    classes: dict[str, object] = {}
+    for op in prog.ops:
+        args = [classes.get(a, "other") for a in op.args()]
+        shape = prog.shape(op.out)
+        kind: object = "other"
+        if isinstance(op, Load):
+            kind = _class_of_shape(shape)
+        elif isinstance(op, (Normalize, MaskRows)) and args == ["row"]:
+            kind = "row"
+        elif isinstance(op, Cumsum) and args == ["row"] and not op.reverse:
+            kind = ("offset", op.x, sympy.Integer(1))  # inclusive or exclusive: the same shift
+        elif isinstance(op, Formula):
+            offsets = [c for c in args if isinstance(c, tuple)]
+            if not offsets and all(c in ("constant", "row") for c in args):
+                kind = _class_of_shape(shape)
+            elif not offsets and shape == ("C", "C") and all(c in ("constant", "row", "pair") for c in args):
+                kind = "pair"  # elementwise over pairs; a row value here is broadcast along its row
+            elif len(args) == 1 and offsets:
+                ratio = sympy.simplify(op.expr / next(iter(op.expr.free_symbols)))
+                if ratio.is_number:  # a multiple of the prefix sum shifts by a multiple of its constant
+                    kind = ("offset", offsets[0][1], offsets[0][2] * ratio)
+        elif isinstance(op, Broadcast) and args[0] in ("constant", "row"):
+            kind = _class_of_shape(shape, pair_ok=True)  # onto C x C: entry (i, j) is x_i
+        elif isinstance(op, DecayMatrix) and isinstance(args[0], tuple):
+            kind = "pair"  # exp2(x_i - x_j): the shift cancels
+        elif isinstance(op, DecayedGram):
+            rows = [classes.get(op.a), classes.get(op.b)]
+            decays = [classes.get(op.x), classes.get(op.column_decay)]
+            # the shift cancels in x_i - y_j only when both are the same multiple of one sum
+            if rows == ["row", "row"] and isinstance(decays[0], tuple) and decays[0] == decays[1]:
+                kind = "pair"
+        elif isinstance(op, MatMul) and args == ["row", "row"] and shape == ("C", "C"):
+            # rows of a times rows of b, over the channels: entry (i, j) reads rows i and j
+            kind = "pair" if not op.transpose_a and op.transpose_b else "other"
+        elif isinstance(op, (Mask, Band)) and args == ["pair"]:
+            kind = "pair"
+        elif isinstance(op, UnitLowerInverse) and args == ["pair"]:
+            kind = "pair"  # a block lower-triangular matrix's inverse has its blocks' inverses on the diagonal
+        classes[op.out] = kind
+    return classes
+
+
+def sub_chunk_values(prog: ChunkProgram) -> frozenset[str]:
+    """The C x C values a chunk size dividing C reproduces as their diagonal blocks."""
+    return frozenset(v for v, kind in _value_classes(prog).items() if kind == "pair")
+
+
+def _reads(backward: ChunkProgram, values: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The forward buffers the backward program (or those of its values) loads."""
+    ops = backward.ops if values is None else [backward.op(v) for v in values]
+    return tuple(op.source[len(SAVED):] for op in ops if isinstance(op, Load) and op.source.startswith(SAVED))
 
 
 def _choose(plan: Plan, forward: ChunkPlans, reads: tuple[str, ...], policy: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -30,6 +131,8 @@ def _choose(plan: Plan, forward: ChunkPlans, reads: tuple[str, ...], policy: str
     phase = forward.graph.phase
     if policy == "save":
         wanted_kept = set(reads)
+    elif policy == "save_solve":
+        wanted_kept = {op.out for op in forward.graph.program.ops if isinstance(op, UnitLowerInverse)}
     elif policy == "save_prepare":
         wanted_kept = {b.value for b in plan.buffers if phase(b.value) == "prepare"}
     else:
@@ -51,14 +154,42 @@ def _choose(plan: Plan, forward: ChunkPlans, reads: tuple[str, ...], policy: str
     return kept, rerun_names
 
 
+def _any_chunk_size(plan: Plan, backward: ChunkPlans, kept: tuple[str, ...], rerun: tuple[str, ...],
+                    sub_chunk: frozenset[str]) -> bool:
+    """Whether the backward may run at a chunk size dividing the forward's: every kept buffer is a
+    C x C value that size reproduces, and no kernel reads such a kept buffer beside a C x C buffer
+    made in the backward's own call (one kernel reads its C x C tiles at one width)."""
+    if any(value not in sub_chunk for value in kept):
+        return False
+    shapes = {b.value: b.shape for b in plan.buffers}
+    made_again = {v for k in plan.kernels if k.name in rerun for v in k.stores if shapes[v] == ("C", "C")}
+    prog = backward.graph.program
+    loads = [(k.kind, set(k.loads)) for k in plan.kernels if k.name in rerun] + [
+        (k.kind, set(_reads(prog, k.computes))) for k in backward.plans[0].kernels
+    ]
+    for kind, read in loads:
+        if kind == "scan" and read & set(kept):
+            return False  # scans address C x C tiles at their own chunk size
+        if read & set(kept) and read & made_again:
+            return False
+    return True
+
+
 def choose_saved(forward: ChunkPlans | NoChunkForm, backward: ChunkPlans | NoChunkForm) -> BackwardPlan | NoChunkForm:
     if isinstance(backward, NoChunkForm):
         return backward
     reads = _reads(backward.graph.program)
+    sub_chunk = sub_chunk_values(forward.graph.program)
     policies = []
     for name, summary in POLICIES.items():
-        choices = [(plan.name, _choose(plan, forward, reads, name)) for plan in forward.plans]
+        choices = [(plan, _choose(plan, forward, reads, name)) for plan in forward.plans]
         policies.append(
-            SavePolicy(name, summary, tuple((p, kept) for p, (kept, _) in choices), tuple((p, rerun) for p, (_, rerun) in choices))
+            SavePolicy(
+                name,
+                summary,
+                tuple((p.name, kept) for p, (kept, _) in choices),
+                tuple((p.name, rerun) for p, (_, rerun) in choices),
+                tuple((p.name, _any_chunk_size(p, backward, kept, rerun, sub_chunk)) for p, (kept, rerun) in choices),
+            )
         )
     return BackwardPlan(forward, backward, reads, tuple(policies))
