@@ -111,7 +111,7 @@ def test_backward_reads_the_forward_buffers_instead_of_solving():
 
 def test_save_policies():
     save = stages("gdn")["save"]
-    assert save.default_policy == "recompute"
+    assert save.default_policy == "save_solve"
     recompute, solve, prepare, keep = (save.policy(n) for n in ("recompute", "save_solve", "save_prepare", "save"))
     assert recompute.kept_by("fused") == () and recompute.rerun_by("fused") == ("prepare", "scan")
     assert recompute.rerun_by("split") == ("system", "solve", "apply", "scan")
