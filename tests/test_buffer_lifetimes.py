@@ -64,33 +64,3 @@ def test_no_buffer_outlives_its_last_kernel(name, plan, generator, monkeypatch):
         needed = set().union(*(args for _, _, args in launches[i:])) | returned
         held = {shape for pointer, shape in live.items() if pointer not in needed}
         assert not held, f"{name} {plan}: at {kernel} the call still holds arrays of shapes {sorted(held)} no later kernel reads"
-
-
-def test_value_gradient_takes_the_memory_of_the_buffer_its_kernel_reads_last(generator):
-    """The delta rule's d_v is computed, tile by tile, from d_Vn (a backward buffer no later
-    kernel reads) at the same addresses: the generated backward writes d_v into d_Vn's memory
-    instead of allocating one more value-sized tensor, and the gradients still match the oracle
-    (every gradient test runs this path)."""
-    from lrdsl.codegen.chunk import _result_aliases
-    from lrdsl.passes.pipeline import run_pipeline
-    from lrdsl.spec import load_spec
-    from helpers import spec_path
-
-    expected = {"gdn": {"d_v": "buf_d_Vn"}, "deltanet": {"d_v": "buf_d_Vn"}, "rwkv7": {"d_v": "buf_d_U"},
-                "simple_gla": {}, "linear_attn": {}}
-    for name, aliases in expected.items():
-        item = run_pipeline(load_spec(spec_path(name)))["save"]
-        backward = item.backward
-        assert _result_aliases(backward.graph.program, backward.plans[0]) == aliases, name
-
-    rec, mod = recurrence("gdn"), module("gdn")
-    B, T, HV, V = 1, 40, 2, 24  # V != K: the [B, T, HV, K] buffers are not counted
-    leaves = [t.requires_grad_() for t in sample(rec, Shape(B, T, 1, HV, 16, V), torch.float32, generator)]
-    o, _ = mod.chunk(*leaves, chunk_size=16, save_policy="save")  # the backward re-runs no forward kernel
-    tracker = _TrackAllocations()
-    with tracker:
-        grads = torch.autograd.grad(o.sum(), leaves)
-    value_sized = [shape for _, shape in tracker.allocated if shape == (B, T, HV, V)]
-    # d_Vn_via_QKtVn and d_Vn (the backward's buffers); d_v is d_Vn's memory
-    assert len(value_sized) == 2, value_sized
-    assert grads[2].shape == (B, T, HV, V) and grads[2].dtype == leaves[2].dtype

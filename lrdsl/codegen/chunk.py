@@ -965,9 +965,6 @@ def _backward_launcher(item: BackwardPlan) -> str:
         )
     result_names = ", ".join(result_param(f"grad:{n}") if f"grad:{n}" in produced else "None" for n in inputs)
     buffers, calls = _buffers(plan), _calls(prog, plan)
-    aliases = _result_aliases(prog, plan)
-    for result in results:
-        result["alias"] = aliases.get(result["param"])
     # Every array is allocated just before the first kernel that uses it and dropped after the
     # last one (the forward's buffers too, as the backward reads them): the memory peak is then
     # what one kernel needs plus what crosses it, not every buffer of the call at once.
@@ -985,60 +982,6 @@ def _backward_launcher(item: BackwardPlan) -> str:
         result_names=result_names,
         calls=calls,
     ).rstrip("\n")
-
-
-def _depends_elementwise(prog: ChunkProgram, kernel: Kernel, value: str, source: str) -> bool:
-    """Whether every element of `value` is computed from the element of `source` at its own
-    position: through elementwise formulas, and matrix products with an operand of the result's
-    shape (whose row or column holding that element enters the product)."""
-    if value == source:
-        return True
-    if value not in kernel.computes:
-        return False
-    op = prog.op(value)
-    if isinstance(op, Formula):
-        return any(_depends_elementwise(prog, kernel, arg, source) for arg in op.args())
-    if isinstance(op, MatMul):
-        return any(prog.shape(arg) == op.shape and _depends_elementwise(prog, kernel, arg, source) for arg in op.args())
-    return False
-
-
-def _result_aliases(prog: ChunkProgram, plan: Plan) -> dict[str, str]:
-    """Gradients written into the memory of a backward buffer their kernel reads last.
-
-    A result may take buffer X's memory when X has the result's shape, no kernel after this one
-    reads X, this kernel loads X once, inside the same V loop as the result's store and at the
-    same tile, and the stored tile is computed from the loaded one element by element (or through
-    a product taking the element's row or column): a thread stores an element only once the
-    element of X at that address has been loaded, so nothing reads X after it is overwritten.
-    The launcher still checks the dtypes match (X is in the operand dtype, the gradient in its
-    input's). Saves one gradient-sized allocation at the backward's peak (d_v into d_Vn for the
-    delta rule)."""
-    aliases: dict[str, str] = {}
-    taken: set[str] = set()
-    for kernel in plan.kernels:
-        if kernel.kind != "chunk":
-            continue
-        ctx = KernelContext(prog, plan, kernel)
-        place, _ = place_values(ctx)
-        for role, value in kernel_results(ctx):
-            param = result_param(role)
-            shape = prog.shape(value)
-            if is_key_head_result(role) or shape not in (("C", "K"), ("C", "V")) or place[value][0] != "loop":
-                continue
-            for buffer in plan.buffers:
-                users = [k for k in plan.kernels if buffer.value in k.loads or buffer.value in k.stores]
-                # a sum over V reads its tiles inside the loop it accumulates in
-                readers_here = [("loop", place[v][1]) if place[v][0] == "sum" else place[v]
-                                for v in kernel.computes if buffer.value in prog.op(v).args()]
-                if (buffer.shape != shape or buffer.value not in kernel.loads or users[-1] is not kernel
-                        or buffer.value in taken or set(readers_here) != {place[value]}
-                        or not _depends_elementwise(prog, kernel, value, buffer.value)):
-                    continue
-                aliases[param] = buffer_param(buffer.value)
-                taken.add(buffer.value)
-                break
-    return aliases
 
 
 def _first_user(calls: list[dict], param: str) -> dict:
