@@ -121,6 +121,8 @@ def _compile(fn, args, kwargs, arch: int):
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     launch = {key: kwargs[key] for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
     shown = {k: v for k, v in bound.items() if k == "BV" or (k in SERVING_FLAGS and v)}
+    if bound.get("CC_BT", bound.get("BT")) != bound.get("BT"):  # the forward's solved systems, read by blocks
+        shown["CC_BT"] = bound["CC_BT"]
     return compiled, launch, shown
 
 
