@@ -117,6 +117,8 @@ def test_save_policies():
     assert recompute.rerun_by("split") == ("system", "solve", "apply", "scan")
     assert solve.kept_by("split") == ("T",) and solve.rerun_by("split") == ("apply", "scan")
     assert solve.kept_by("fused") == () and solve.rerun_by("fused") == ("prepare", "scan")  # its solve also makes W, U
+    # only matmuls read T after the forward: kept in the operand dtype; G_last feeds exp2, stays fp32
+    assert solve.narrowed_by("split") == ("T",) and prepare.narrowed_by("split") == ("T",)
     assert set(prepare.kept_by("fused")) == {"T", "W", "U", "k_decayed", "G_last"} and prepare.rerun_by("fused") == ("scan",)
     assert set(keep.kept_by("split")) == {"H", "T", "W", "Vn", "k_decayed", "G_last"} and keep.rerun_by("split") == ()
     # nothing kept, or solved systems only: valid at a chunk size dividing the forward's
@@ -412,6 +414,20 @@ def test_backward_recomputes_at_its_own_chunk_size(bounds, generator, device, mo
     case = dict(shape=Shape(1, 100, 1, 2, 16, 16), h0=True, dht=True, bounds=bounds)
     assert_gradients(gradient_errors("gdn", case, generator, device), f"bounds={bounds}")
     assert sizes == [mod.BACKWARD_CHUNK_SIZE["input"]]
+
+
+def test_kept_systems_are_narrowed_to_the_operand_dtype_after_the_forward_reads_them(generator, device, monkeypatch):
+    """Where matmul operands are 16-bit (a GPU at precision="input"; here pretended, fp16), the
+    kept T is converted after the forward's last reader (apply, which read the fp32 one): the
+    backward receives it in that dtype and its gradients still match the oracle."""
+    mod = module("gdn")
+    monkeypatch.setattr(mod, "_operand_dtype", lambda q, precision: torch.float16)
+    kept_dtypes, backward = [], mod._chunk_backward
+    record = lambda c, plan, policy, kept, *rest: kept_dtypes.append({n: t.dtype for n, t in kept.items()})
+    monkeypatch.setattr(mod, "_chunk_backward", lambda *args: record(*args) or backward(*args))
+    case = dict(shape=Shape(1, 70, 1, 2, 16, 16), h0=True, dht=True)
+    assert_gradients(gradient_errors("gdn", case, generator, device, save_policy="save_solve"), "narrowed T")
+    assert kept_dtypes == [{"T": torch.float16}]
 
 
 @pytest.mark.parametrize("name, bounds", [("gdn", None), ("gdn", [0, 3, 70, 100]), ("kda", [0, 45, 100]),

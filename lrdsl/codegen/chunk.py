@@ -1005,7 +1005,8 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
                 raise CompileError(f"two plans define kernel {name} differently")
     first = kernel_function_name(prog, plans.plans[0].kernels[0])
     save_policies = {
-        policy.name: {"kept": dict(policy.kept), "rerun": dict(policy.rerun), "any_chunk_size": dict(policy.any_chunk_size)}
+        policy.name: {"kept": dict(policy.kept), "rerun": dict(policy.rerun), "any_chunk_size": dict(policy.any_chunk_size),
+                      "narrowed": dict(policy.narrowed)}
         for policy in item.policies
     }
     if uses_key_channel_helpers(prog, item.backward.graph.program):

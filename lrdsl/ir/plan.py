@@ -147,6 +147,8 @@ class SavePolicy:
     # (forward plan, whether the backward may run at a chunk size dividing the forward's: what it
     # keeps is valid there)
     any_chunk_size: tuple[tuple[str, bool], ...] = ()
+    # (forward plan, kept fp32 buffers later read only as matmul operands: kept in the operand dtype)
+    narrowed: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def kept_by(self, plan: str) -> tuple[str, ...]:
         return dict(self.kept)[plan]
@@ -156,6 +158,9 @@ class SavePolicy:
 
     def any_chunk_size_by(self, plan: str) -> bool:
         return dict(self.any_chunk_size).get(plan, False)
+
+    def narrowed_by(self, plan: str) -> tuple[str, ...]:
+        return dict(self.narrowed).get(plan, ())
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,10 @@ class BackwardPlan:
             for plan, kept in policy.kept:
                 rerun = policy.rerun_by(plan)
                 size = "its own chunk size" if policy.any_chunk_size_by(plan) else "the forward's chunk size"
+                narrowed = policy.narrowed_by(plan)
+                operands = f" ({', '.join(narrowed)} in the matmul operand dtype)" if narrowed else ""
                 lines.append(
-                    f"    forward plan {plan}: keep {', '.join(kept) or 'nothing'}; "
+                    f"    forward plan {plan}: keep {', '.join(kept) or 'nothing'}{operands}; "
                     f"backward re-runs {', '.join(rerun) or 'nothing'}; at {size}"
                 )
         return "\n".join(lines)

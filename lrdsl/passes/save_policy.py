@@ -179,6 +179,30 @@ def _any_chunk_size(plan: Plan, backward: ChunkPlans, kept: tuple[str, ...], rer
     return True
 
 
+def _only_matmuls_read(prog: ChunkProgram, values: tuple[str, ...], value: str) -> bool:
+    readers = [prog.op(v) for v in values if value in prog.op(v).args()]
+    return all(isinstance(op, MatMul) for op in readers)
+
+
+def _narrowed(plan: Plan, backward: ChunkPlans, forward_prog: ChunkProgram, kept: tuple[str, ...],
+              rerun: tuple[str, ...]) -> tuple[str, ...]:
+    """The kept fp32 buffers that every later reader (the re-run forward kernels, the backward's
+    kernels) uses only as a matrix-product operand: kernels load them in the operand dtype, so
+    the forward call may keep them in it (half the memory for 16-bit inputs, the same operands)."""
+    prog = backward.graph.program
+    narrowed = []
+    for value in kept:
+        if plan.buffer(value).dtype != "fp32":
+            continue
+        forward_ok = all(_only_matmuls_read(forward_prog, k.computes, value)
+                         for k in plan.kernels if k.name in rerun and value in k.loads)
+        loaded = [op.out for op in prog.ops if isinstance(op, Load) and op.source == SAVED + value]
+        backward_ok = all(_only_matmuls_read(prog, k.computes, name) for k in backward.plans[0].kernels for name in loaded)
+        if forward_ok and backward_ok:
+            narrowed.append(value)
+    return tuple(narrowed)
+
+
 def choose_saved(forward: ChunkPlans | NoChunkForm, backward: ChunkPlans | NoChunkForm) -> BackwardPlan | NoChunkForm:
     if isinstance(backward, NoChunkForm):
         return backward
@@ -194,6 +218,7 @@ def choose_saved(forward: ChunkPlans | NoChunkForm, backward: ChunkPlans | NoChu
                 tuple((p.name, kept) for p, (kept, _) in choices),
                 tuple((p.name, rerun) for p, (_, rerun) in choices),
                 tuple((p.name, _any_chunk_size(p, backward, kept, rerun, sub_chunk)) for p, (kept, rerun) in choices),
+                tuple((p.name, _narrowed(p, backward, forward.graph.program, kept, rerun)) for p, (kept, rerun) in choices),
             )
         )
     return BackwardPlan(forward, backward, reads, tuple(policies))
