@@ -105,7 +105,8 @@ class KernelContext:
         if self.kernel.kind != "chunk":
             return None
         for value in self.kernel.loads:
-            if self.shape(value) == ("C", "C") and not _read_only_by_solves(self, value):  # a solve addresses its blocks itself
+            # a solve addresses the blocks of its input itself
+            if self.shape(value) == ("C", "C") and not _read_only_by_solves(self, value):
                 return buffer_param(value)
         for value in self.kernel.computes:
             op = self.prog.op(value)
@@ -173,7 +174,8 @@ def store_line(pointer: str, offsets: str, mask: str, value: str) -> str:
 
 
 def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
-    offsets, mask = buffer_address(ctx.shape(value), made_elsewhere=ctx.kernel.kind == "chunk" and not ctx.stored_here(value))
+    made_elsewhere = ctx.kernel.kind == "chunk" and not ctx.stored_here(value)
+    offsets, mask = buffer_address(ctx.shape(value), made_elsewhere=made_elsewhere)
     line = load_line(var(value), buffer_param(value), offsets, mask, ctx.load_dtype(value))
     return [f"# {value}: stored by an earlier kernel", line]
 
@@ -808,11 +810,12 @@ CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 2}, "system"
 CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**CHUNK_LAUNCH_SMALL_CHUNK, "bwd_output": {"num_stages": 2}}
 
 # The backward recomputes the forward's buffers, or reads only the solved systems (save policies
-# "recompute", "save_solve"), and so may use its own chunk size. Its output kernel holds many more tiles than any forward kernel (every gradient of
-# a chunk), and past the register file it spills in its inner work: at C = 64 the gdn estimate
-# is 2.4x the register file and the kernel took 6.2 ms at 4 x 4096 (H200), at C = 32 (1.07x) it
-# took 3.4 ms and forward + backward fell from 9.6 to 7.3 ms, at C = 16 (0.7x) the scans' extra
-# steps cost more than the kernel gained (8.7 ms). The estimate is a lower bound (Triton's
+# "recompute", "save_solve"), and so may use its own chunk size. Its output kernel holds many
+# more tiles than any forward kernel (every gradient of a chunk), and past the register file it
+# spills in its inner work: at C = 64 the gdn estimate is 2.4x the register file and the kernel
+# took 6.2 ms at 4 x 4096 (H200), at C = 32 (1.07x) it took 3.4 ms and forward + backward fell
+# from 9.6 to 7.3 ms, at C = 16 (0.7x) the scans' extra steps cost more than the kernel gained
+# (8.7 ms). The estimate is a lower bound (Triton's
 # temporaries are not counted), so a kernel may exceed the register file by a quarter.
 REGISTER_FILE_BYTES_PER_WARP = 32 * 255 * 4  # 32 threads x 255 registers of 4 bytes
 BACKWARD_PRESSURE_TOLERANCE = 1.25
