@@ -815,8 +815,8 @@ CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**CHUNK_LAUNCH_SMALL_CHUNK, "bwd_output"
 # spills in its inner work: at C = 64 the gdn estimate is 2.4x the register file and the kernel
 # took 6.2 ms at 4 x 4096 (H200), at C = 32 (1.07x) it took 3.4 ms and forward + backward fell
 # from 9.6 to 7.3 ms, at C = 16 (0.7x) the scans' extra steps cost more than the kernel gained
-# (8.7 ms). The estimate is a lower bound (Triton's
-# temporaries are not counted), so a kernel may exceed the register file by a quarter.
+# (8.7 ms). The estimate is a lower bound (Triton's temporaries are not counted), so a kernel may
+# exceed the register file by a quarter.
 REGISTER_FILE_BYTES_PER_WARP = 32 * 255 * 4  # 32 threads x 255 registers of 4 bytes
 BACKWARD_PRESSURE_TOLERANCE = 1.25
 # The forward picks its chunk size by the same estimate, with less slack: its kernels are shorter,
