@@ -93,7 +93,7 @@ def _value_classes(prog: ChunkProgram) -> dict[str, object]:
             if not offsets and all(c in ("constant", "row") for c in args):
                 kind = _class_of_shape(shape)
             elif not offsets and shape == ("C", "C") and all(c in ("constant", "row", "pair") for c in args):
-                kind = "pair"  # elementwise over pairs; a row value here is broadcast along its row
+                kind = "pair"  # elementwise over pairs (and constants)
             elif len(args) == 1 and offsets:
                 ratio = sympy.simplify(op.expr / next(iter(op.expr.free_symbols)))
                 if ratio.is_number:  # a multiple of the prefix sum shifts by a multiple of its constant
