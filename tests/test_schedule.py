@@ -74,6 +74,56 @@ def test_matmul_only_operands_load_in_the_matmul_dtype():
     assert w_load.rstrip().endswith(".to(DOT_DTYPE)"), w_load
 
 
+@pytest.mark.parametrize("name", ["gdn", "kda", "gdn_qwen35"])
+def test_the_l2_norm_adjoint_reads_the_normalised_rows(name):
+    """Where a kernel normalises q or k and also computes that normalisation's adjoint, the
+    adjoint reads the normalised rows and their norms, so the raw rows die at the normalisation
+    instead of living to the end of the kernel (one C x K tile fewer each)."""
+    lines = _kernel(_generate(name), f"{name}_chunk_bwd_output_kernel")
+    for raw, normalised in (("q_in", "q"), ("k_in", "k")):
+        normalisation = next(i for i, line in enumerate(lines) if line.strip() == f"b_{normalised} = b_{raw} / row_norm_{normalised}[:, None]")
+        later = "\n".join(lines[normalisation + 1:])
+        assert not re.search(rf"\bb_{raw}\b", later), f"{name}: {raw} is read after its rows were normalised"
+        assert f"= 1.0 / row_norm_{normalised}" in later, f"{name}: the adjoint does not reuse the norms of {normalised}"
+
+
+def _storage_dtype_tiles(lines: list[str]) -> list[str]:
+    """The variables a kernel loads without converting them (held in their stored dtype)."""
+    return [m.group(1) for line in lines
+            if (m := re.match(r"\s*(b_\w+) = tl\.load\(.*\)$", line)) and not re.search(r"\.to\(\w+\)$", line)]
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7", "simple_gla"])
+def test_tiles_held_in_their_stored_dtype_are_converted_where_read(name):
+    """A loaded 16-bit tile that only matmuls and elementwise formulas read stays 16-bit in
+    registers (half the registers of fp32: the backward output kernel's K x V state tiles among
+    them); every read converts it (to DOT_DTYPE in a matmul, to ACC in a formula: exact, so the
+    results are bit for bit those of converting at the load), or copies it under a new name that
+    obeys the same rule."""
+    source = _generate(name)
+    held = 0
+    for kernel in [k for k in re.findall(r"def (\w+_kernel)\(", source) if "_chunk_" in k]:
+        lines = _kernel(source, kernel)
+        pending = _storage_dtype_tiles(lines)
+        held += len(pending)
+        while pending:
+            tile = pending.pop()
+            for line in lines:
+                code = line.split("#")[0]
+                if re.match(rf"\s*{tile} = ", code):  # its load, or the copy that defines it
+                    continue
+                copy = re.match(rf"\s*(b_\w+) = {tile}$", code)
+                if copy:
+                    pending.append(copy.group(1))
+                    continue
+                for use in re.finditer(rf"\b{tile}\b(\.to\((ACC|DOT_DTYPE)\))?", code):
+                    assert use.group(1), f"{name} {kernel}: {tile} is read unconverted: {code.strip()}"
+    if name == "gdn":
+        lines = _kernel(source, "gdn_chunk_bwd_output_kernel")
+        assert {"b_H", "b_d_H_next", "b_v", "b_d_O"} <= set(_storage_dtype_tiles(lines))
+    assert held > 0, f"{name}: no tile is held in its stored dtype"
+
+
 # -- register pressure (codegen/pressure.py) and the backward's chunk size ------------------------
 
 def _contexts(name):

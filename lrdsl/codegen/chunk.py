@@ -114,13 +114,60 @@ class KernelContext:
                 return saved_param(op.source)
         return None
 
-    def load_dtype(self, value: str) -> str:
+    def readers(self, value: str) -> list:
+        return [self.prog.op(v) for v in self.kernel.computes if value in self.prog.op(v).args()]
+
+    def load_dtype(self, value: str) -> str | None:
         """The register dtype a loaded value gets: DOT_DTYPE when only matmuls read it here (a
-        16-bit operand stays 16-bit: half the registers, no round trip through fp32), else ACC."""
-        readers = [self.prog.op(v) for v in self.kernel.computes if value in self.prog.op(v).args()]
+        16-bit operand stays 16-bit: half the registers, no round trip through fp32); None (its
+        storage dtype) for a tile only matmuls and elementwise formulas read (`in_storage_dtype`);
+        else ACC."""
+        readers = self.readers(value)
         if readers and all(isinstance(op, MatMul) for op in readers) and not self.stored_here(value):
             return "DOT_DTYPE"
+        if self.in_storage_dtype(value):
+            return None
         return "ACC"
+
+    def in_storage_dtype(self, value: str) -> bool:
+        """Whether a tile stays in registers in the dtype it is stored in (16 bits for 16-bit
+        inputs: half the registers of fp32), each reader converting it where it reads it: a
+        matmul to DOT_DTYPE, an elementwise formula to ACC. Converting a 16-bit number to fp32 is
+        exact, so the results are the same bit for bit. A loaded tile of two axes qualifies, and
+        so does a copy of one (d_U = d_Vn) whose readers qualify; a value stored, written as a
+        result or summed eagerly is converted once, where it is defined."""
+        op = self.prog.op(value)
+        loaded = value in self.kernel.loads or (isinstance(op, Load) and op.source in STORAGE_DTYPE_SOURCES) or (
+            isinstance(op, Load) and op.source.startswith(SAVED))
+        copy = _is_copy(op) and self.in_storage_dtype(op.args()[0])
+        if len(op.shape) != 2 or not (loaded or copy):
+            return False
+        return self._readers_convert(value)
+
+    def _readers_convert(self, value: str) -> bool:
+        if self.stored_here(value) or value in self.eager or value in {v for _, v in self.prog.results}:
+            return False
+        readers = self.readers(value)
+        return bool(readers) and all(
+            isinstance(op, MatMul) or (isinstance(op, Formula) and (not _is_copy(op) or self._readers_convert(op.out)))
+            for op in readers
+        )
+
+
+# Call inputs a chunk kernel may hold in their own dtype (KernelContext.in_storage_dtype): the
+# others (gates, betas) are loaded in ACC whatever their readers.
+STORAGE_DTYPE_SOURCES = ("q", "k", "v", COTANGENT)
+
+
+def _read(ctx: KernelContext, value: str) -> str:
+    """A value as an elementwise formula reads it: in ACC (converted where it is held in its
+    storage dtype)."""
+    return f"{var(value)}.to(ACC)" if ctx.in_storage_dtype(value) else var(value)
+
+
+def _is_copy(op) -> bool:
+    """A formula that is one value unchanged (d_U = d_Vn: the same tile under a second name)."""
+    return isinstance(op, Formula) and op.expr.is_Symbol
 
 
 # -- addressing --------------------------------------------------------------------------------
@@ -162,10 +209,12 @@ def sub_chunk_matrix_address() -> tuple[str, str]:
     return offsets, "m_t[:, None]"
 
 
-def load_line(target: str, pointer: str, offsets: str, mask: str, dtype: str = "ACC") -> str:
+def load_line(target: str, pointer: str, offsets: str, mask: str, dtype: str | None = "ACC") -> str:
+    """A tile's load, converted to `dtype` (None: kept in the dtype it is stored in)."""
+    convert = f".to({dtype})" if dtype else ""
     if not mask:
-        return f"{target} = tl.load({pointer} + {offsets}).to({dtype})"
-    return f"{target} = tl.load({pointer} + {offsets}, mask={mask}, other=0.0).to({dtype})"
+        return f"{target} = tl.load({pointer} + {offsets}){convert}"
+    return f"{target} = tl.load({pointer} + {offsets}, mask={mask}, other=0.0){convert}"
 
 
 def store_line(pointer: str, offsets: str, mask: str, value: str) -> str:
@@ -222,19 +271,50 @@ def _state_in(op: StateIn, ctx: KernelContext) -> list[str]:
     return []
 
 
+def _row_norm(value: str) -> str:
+    """The row norms of a Normalize's input (a temporary outside the b_ namespace of values)."""
+    return f"row_norm_{value}"
+
+
+def emitted_args(ctx: KernelContext, value: str) -> tuple[str, ...]:
+    """The values an op's emitted code reads: its arguments, but for the adjoint of a
+    normalisation this kernel computes, which reads the normalised rows instead of the raw ones."""
+    op = ctx.prog.op(value)
+    if isinstance(op, NormalizeGrad) and (normalized := _normalized_here(ctx, op.x)) is not None:
+        return (normalized, op.dy)
+    return op.args()
+
+
+def _normalized_here(ctx: KernelContext, x: str) -> str | None:
+    """The value this kernel normalises `x` into, if it does (its rows are the unit vectors)."""
+    for value in ctx.kernel.computes:
+        op = ctx.prog.op(value)
+        if isinstance(op, Normalize) and op.x == x:
+            return value
+    return None
+
+
 @CHUNK_EMITTERS.register(Normalize)
 def _normalize(op: Normalize, ctx: KernelContext) -> list[str]:
     x, y = var(op.x), var(op.out)
+    # the row norms are named where this kernel's adjoint reads them (_normalize_grad), so the
+    # input tile dies here instead of living until the gradient
+    kept = any(isinstance(ctx.prog.op(v), NormalizeGrad) and ctx.prog.op(v).x == op.x for v in ctx.kernel.computes)
+    if not kept:
+        return [f"{y} = {x}", "if USE_QK_L2NORM:", f"    {y} = {x} / tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)[:, None]"]
+    norm = _row_norm(op.out)
     return [
         f"{y} = {x}",
         "if USE_QK_L2NORM:",
-        f"    {y} = {x} / tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)[:, None]",
+        f"    {norm} = tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)",
+        f"    {y} = {x} / {norm}[:, None]",
     ]
 
 
 @CHUNK_EMITTERS.register(Formula)
 def _formula(op: Formula, ctx: KernelContext) -> list[str]:
-    names = {a: var(a) for a in op.args()}
+    # a copy of a tile held in its storage dtype keeps that dtype
+    names = {a: var(a) if _is_copy(op) else _read(ctx, a) for a in op.args()}
     text = to_triton(op.expr, names)
     arg_shapes = {ctx.shape(a) for a in op.args()}
     if op.shape and arg_shapes <= {()}:  # only scalars read: spread the value over the tile
@@ -447,6 +527,14 @@ def _normalize_grad(op: NormalizeGrad, ctx: KernelContext) -> list[str]:
     x, dy, dx = var(op.x), var(op.dy), var(op.out)
     # temporaries outside the b_ namespace of values: 1 / the row norms, the normalised rows
     r, y = f"inv_norm_{op.out}", f"unit_{op.out}"
+    normalized = _normalized_here(ctx, op.x)
+    if normalized is not None:  # this kernel normalised x: its rows and norms, not x again
+        return [
+            f"{dx} = {dy}",
+            "if USE_QK_L2NORM:",
+            f"    {r} = 1.0 / {_row_norm(normalized)}",
+            f"    {dx} = {r}[:, None] * ({dy} - {var(normalized)} * tl.sum({var(normalized)} * {dy}, axis=1)[:, None])",
+        ]
     return [
         f"{dx} = {dy}",
         "if USE_QK_L2NORM:",
@@ -516,7 +604,7 @@ def _op_lines(ctx: KernelContext, value: str) -> list[str]:
         rest = [a for a in op.args() if a not in eager_terms]
         lines[0] += f"   (accumulated as {', '.join(eager_terms)} were computed)"
         if rest:
-            lines.append(f"{var(value)} += " + " + ".join(var(a) for a in rest))
+            lines.append(f"{var(value)} += " + " + ".join(_read(ctx, a) for a in rest))
     else:
         lines.extend(CHUNK_EMITTERS.lookup(op)(op, ctx))
     if value in ctx.eager:

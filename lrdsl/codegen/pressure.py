@@ -8,12 +8,16 @@ loops; schedule.eager_sums: running sums) and adds up the tiles live at each poi
     a value lives from its definition to its last reader (a value read inside a V loop lives to
     the end of that loop; a sum over V lives from the start of its loop); a term summed eagerly
     dies at once; a result written out and not read again dies at once; the q/k gradients a
-    key-head program sums over its value heads live through the whole kernel.
+    key-head program sums over its value heads live through the whole kernel. A reader is what
+    the emitted code reads (chunk.emitted_args: an L2-norm adjoint reads the normalised rows),
+    and a tile held in its stored dtype (KernelContext.in_storage_dtype) counts at the inputs'
+    width.
 The estimate counts values, not Triton's temporaries or layout conversions, so it is a lower
 bound; its use is comparing chunk sizes and kernels of one spec, not predicting spills exactly.
 """
 from __future__ import annotations
 
+from ..passes.plan import FP32_BUFFER_SHAPES
 from .schedule import eager_sums, is_loadable, place_values
 
 ACC_BYTES = 4  # a tile's elements are fp32 unless a loaded value stays in the matmul dtype
@@ -24,16 +28,18 @@ def _tile_bytes(ctx, value: str, dims: dict[str, int], operand_bytes: int) -> in
     for axis in ctx.shape(value):
         size *= dims[axis]
     kept_as_operand = is_loadable(ctx, value) and ctx.load_dtype(value) == "DOT_DTYPE"
-    return size * (operand_bytes if kept_as_operand else ACC_BYTES)
+    # a tile held in the dtype it is stored in: the inputs' width, but for the buffers kept in fp32
+    kept_as_stored = ctx.in_storage_dtype(value) and ctx.shape(value) not in FP32_BUFFER_SHAPES
+    return size * (operand_bytes if kept_as_operand or kept_as_stored else ACC_BYTES)
 
 
 def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes: int = 2) -> int:
     """The most tile bytes live at once in one program of a chunk-parallel kernel (K = V =
     head_dim, V tiles block_v wide, matmul operands of operand_bytes per element)."""
-    from .chunk import key_head_results  # chunk.py builds the kernels this measures
+    from .chunk import emitted_args, key_head_results  # chunk.py builds the kernels this measures
 
     place, _ = place_values(ctx)
-    eager = eager_sums(ctx, place)
+    eager = ctx.eager = eager_sums(ctx, place)
     dims = {"C": chunk, "K": head_dim, "V": block_v}
     order = {value: i for i, value in enumerate(ctx.kernel.computes)}
 
@@ -48,7 +54,7 @@ def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes:
             return start(value)  # added to its running sum as soon as it exists
         ends = [start(value)]
         for reader in ctx.kernel.computes:
-            if value not in ctx.prog.op(reader).args():
+            if value not in emitted_args(ctx, reader):
                 continue
             kind, index = place[reader]
             if kind in ("loop", "sum") and place[value][0] == "plain" or kind == "sum":
