@@ -421,7 +421,7 @@ def test_kept_systems_are_narrowed_to_the_operand_dtype_after_the_forward_reads_
     kept T is converted after the forward's last reader (apply, which read the fp32 one): the
     backward receives it in that dtype and its gradients still match the oracle."""
     mod = module("gdn")
-    monkeypatch.setattr(mod, "_operand_dtype", lambda q, precision: torch.float16)
+    monkeypatch.setattr(mod, "_operand_dtype", lambda c: torch.float16)
     kept_dtypes, backward = [], mod._chunk_backward
     record = lambda c, plan, policy, kept, *rest: kept_dtypes.append({n: t.dtype for n, t in kept.items()})
     monkeypatch.setattr(mod, "_chunk_backward", lambda *args: record(*args) or backward(*args))

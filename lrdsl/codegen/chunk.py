@@ -46,7 +46,7 @@ from ..registry import TypeRegistry
 from .names import CHUNK_OPTIONS, forward_options, gradient_pointer, input_pointer, signature
 from .pressure import peak_tile_bytes
 from .printer import to_triton
-from .schedule import eager_sums, first_reader_segment, has_v, is_loadable, place_values
+from .schedule import eager_sums, first_reader_segment, has_v, is_loadable, place_values, readers
 from .templating import indent, render
 
 CHUNK_EMITTERS = TypeRegistry("chunk kernel emitter", CompileError)
@@ -115,15 +115,16 @@ class KernelContext:
         return None
 
     def readers(self, value: str) -> list:
-        return [self.prog.op(v) for v in self.kernel.computes if value in self.prog.op(v).args()]
+        """The ops of this kernel that read `value`."""
+        return [self.prog.op(v) for v in readers(self, value)]
 
     def load_dtype(self, value: str) -> str | None:
         """The register dtype a loaded value gets: DOT_DTYPE when only matmuls read it here (a
         16-bit operand stays 16-bit: half the registers, no round trip through fp32); None (its
         storage dtype) for a tile only matmuls and elementwise formulas read (`in_storage_dtype`);
         else ACC."""
-        readers = self.readers(value)
-        if readers and all(isinstance(op, MatMul) for op in readers) and not self.stored_here(value):
+        ops = self.readers(value)
+        if ops and all(isinstance(op, MatMul) for op in ops) and not self.stored_here(value):
             return "DOT_DTYPE"
         if self.in_storage_dtype(value):
             return None
@@ -137,8 +138,8 @@ class KernelContext:
         so does a copy of one (d_U = d_Vn) whose readers qualify; a value stored, written as a
         result or summed eagerly is converted once, where it is defined."""
         op = self.prog.op(value)
-        loaded = value in self.kernel.loads or (isinstance(op, Load) and op.source in STORAGE_DTYPE_SOURCES) or (
-            isinstance(op, Load) and op.source.startswith(SAVED))
+        loaded = value in self.kernel.loads or (
+            isinstance(op, Load) and (op.source in STORAGE_DTYPE_SOURCES or op.source.startswith(SAVED)))
         copy = _is_copy(op) and self.in_storage_dtype(op.args()[0])
         if len(op.shape) != 2 or not (loaded or copy):
             return False
@@ -147,10 +148,10 @@ class KernelContext:
     def _readers_convert(self, value: str) -> bool:
         if self.stored_here(value) or value in self.eager or value in {v for _, v in self.prog.results}:
             return False
-        readers = self.readers(value)
-        return bool(readers) and all(
+        ops = self.readers(value)
+        return bool(ops) and all(
             isinstance(op, MatMul) or (isinstance(op, Formula) and (not _is_copy(op) or self._readers_convert(op.out)))
-            for op in readers
+            for op in ops
         )
 
 
@@ -297,11 +298,8 @@ def _normalized_here(ctx: KernelContext, x: str) -> str | None:
 @CHUNK_EMITTERS.register(Normalize)
 def _normalize(op: Normalize, ctx: KernelContext) -> list[str]:
     x, y = var(op.x), var(op.out)
-    # the row norms are named where this kernel's adjoint reads them (_normalize_grad), so the
+    # the row norms are named: an adjoint in the same kernel reads them (_normalize_grad), so the
     # input tile dies here instead of living until the gradient
-    kept = any(isinstance(ctx.prog.op(v), NormalizeGrad) and ctx.prog.op(v).x == op.x for v in ctx.kernel.computes)
-    if not kept:
-        return [f"{y} = {x}", "if USE_QK_L2NORM:", f"    {y} = {x} / tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)[:, None]"]
     norm = _row_norm(op.out)
     return [
         f"{y} = {x}",
@@ -591,8 +589,8 @@ def kernel_params(ctx: KernelContext) -> list[str]:
 
 
 def _read_only_by_solves(ctx: KernelContext, value: str) -> bool:
-    readers = [ctx.prog.op(v) for v in ctx.kernel.computes if value in ctx.prog.op(v).args()]
-    return bool(readers) and all(isinstance(op, UnitLowerInverse) for op in readers)
+    ops = ctx.readers(value)
+    return bool(ops) and all(isinstance(op, UnitLowerInverse) for op in ops)
 
 
 def _op_lines(ctx: KernelContext, value: str) -> list[str]:
