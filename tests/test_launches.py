@@ -217,3 +217,24 @@ def test_wide_operands_keep_the_scan_settings_they_were_checked_with(monkeypatch
     for options in (dict(dtype=torch.float32), dict(precision="tf32"), dict(K=256)):
         launch = _launch(monkeypatch, "gdn", "scan", N=4, HV=32, BT=32, **options)
         assert (launch["BV"], launch["num_stages"]) == (32, 2), options
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7", "linear_attn"])
+def test_solve_merges_take_three_tf32_passes_only_for_16_bit_inputs_on_a_gpu(name):
+    """The triangular solve's block merges multiply fp32 blocks: in three tf32 passes (about
+    fp32's accuracy, on tensor cores) for 16-bit inputs on a GPU, exactly (ieee) for fp32 / fp64
+    inputs and on the interpreter. Only kernels that solve take the setting (linear_attn has no
+    system to solve)."""
+    mod = module(name)
+
+    def precision(dtype, device="meta"):
+        return mod._solve_precision(torch.empty(0, dtype=dtype, device=device))
+
+    assert [precision(torch.bfloat16), precision(torch.float16)] == ["tf32x3", "tf32x3"]
+    assert [precision(torch.float32), precision(torch.float64), precision(torch.bfloat16, "cpu")] == ["ieee"] * 3
+    kernels = open(mod.__file__).read().split("@triton.jit")[1:]
+    solving = ["(I + A)^-1" in kernel for kernel in kernels]
+    assert any(solving) == (name != "linear_attn")
+    for kernel, solves in zip(kernels, solving):
+        assert ("SOLVE_PRECISION: tl.constexpr" in kernel) == solves
+        assert ("input_precision=SOLVE_PRECISION" in kernel) == solves

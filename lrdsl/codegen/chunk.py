@@ -99,6 +99,10 @@ class KernelContext:
     def stored_here(self, value: str) -> bool:
         return value in self.kernel.stores
 
+    def solves(self) -> bool:
+        """Whether this kernel runs a triangular solve (its block merges take SOLVE_PRECISION)."""
+        return any(isinstance(self.prog.op(v), UnitLowerInverse) for v in self.kernel.computes)
+
     def chunk_matrix_source(self) -> str | None:
         """The parameter of the first C x C buffer made by another kernel that this chunk kernel
         loads (its width is the kernel's CC_BT), or None."""
@@ -784,7 +788,7 @@ def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
         )
     body = "\n".join(emit_chunk_body(ctx))
     return render("chunk_kernel.py.jinja", **common, key_head_programs=bool(key_head_results(ctx)), body=body,
-                  chunk_matrices=ctx.chunk_matrix_source() is not None)
+                  chunk_matrices=ctx.chunk_matrix_source() is not None, solves=ctx.solves())
 
 
 # -- the module section ------------------------------------------------------------------------
@@ -989,6 +993,7 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 args=", ".join(kernel_params(ctx)),
                 params=kernel_params(ctx),
                 chunk_matrix_source=ctx.chunk_matrix_source(),
+                solves=ctx.solves(),
                 # a kernel that stores no buffer is needed only for the results it writes
                 results=[] if kernel.stores else [result_param(role) for role, _ in kernel_results(ctx)],
             )
