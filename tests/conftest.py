@@ -30,8 +30,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def generator(request):
-    """A fresh random seed per test, printed so a failure can be replayed."""
-    seed = int(torch.seed() % 2**31)
+    """A fresh random seed per test, printed so a failure can be replayed (pytest --seed N)."""
+    seed = request.config.getoption("--seed")
+    if seed is None:
+        seed = int(torch.seed() % 2**31)
     print(f"[seed {seed}]")
     return torch.Generator().manual_seed(seed)
 
@@ -43,6 +45,7 @@ def device():
 
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/* from the current output")
+    parser.addoption("--seed", type=int, default=None, help="replay: every test's generator starts from this seed")
 
 
 @pytest.fixture

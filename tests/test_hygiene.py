@@ -10,7 +10,10 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import subprocess
+import sys
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ import torch
 import lrdsl
 from lrdsl.codegen.names import reserved_input_name
 from lrdsl.errors import SpecError
+
+ROOT = Path(__file__).resolve().parent.parent
 from lrdsl.ir.chunk import NoChunkForm
 from lrdsl.ir.step import Formula as StepFormula
 from lrdsl.passes.pipeline import run_pipeline
@@ -178,3 +183,12 @@ def test_keyword_options_are_refused_at_spec_time(tmp_path):
             load_spec(path)
         message = str(info.value)
         assert "\n" not in message and f"reserved.toml:6: inputs.{option}: " in message, message
+
+
+def test_a_printed_seed_replays_a_test():
+    """Tests print the seed of their random inputs; `pytest --seed N` starts every generator from N."""
+    test = "tests/test_reference.py::test_oracle_default_scale_and_no_state"
+    run = subprocess.run([sys.executable, "-m", "pytest", test, "-s", "-q", "-p", "no:cacheprovider", "--seed", "12345"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "[seed 12345]" in run.stdout
