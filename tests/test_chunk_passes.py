@@ -326,7 +326,7 @@ def test_a_backward_larger_than_any_measured_chunk_size_is_refused_at_compile_ti
     """The largest chunk size is read off the backward's output kernel (how many per-key-channel
     decayed products it holds); a program beyond every measured row gets one line, not a module
     whose kernels might not fit a GPU block. Here the table lacks rwkv7's row."""
-    from lrdsl.codegen import chunk as chunk_codegen
+    from lrdsl.codegen import launch
     from lrdsl.codegen.module import emit_module
     from lrdsl.errors import CompileError
     from lrdsl.passes.pipeline import run_pipeline
@@ -334,7 +334,7 @@ def test_a_backward_larger_than_any_measured_chunk_size_is_refused_at_compile_ti
 
     from helpers import spec_path
 
-    monkeypatch.setattr(chunk_codegen, "LARGEST_CHUNK_SIZES", chunk_codegen.LARGEST_CHUNK_SIZES[:-1])
+    monkeypatch.setattr(launch, "LARGEST_CHUNK_SIZES", launch.LARGEST_CHUNK_SIZES[:-1])
     with pytest.raises(CompileError) as info:
         emit_module(run_pipeline(load_spec(spec_path("rwkv7"))), spec_path="specs/rwkv7.toml")
     assert str(info.value) == ("rwkv7: the backward's output kernel computes 10 per-key-channel decayed products, more "

@@ -118,7 +118,7 @@ def test_ir_nodes_are_frozen_and_hashable():
 
 def test_type_registries_name_what_is_missing():
     """IR lookups by type (emitters, adjoint rules, verifiers) fail with one named lrdsl error."""
-    from lrdsl.codegen.chunk import CHUNK_EMITTERS
+    from lrdsl.codegen.emitters import CHUNK_EMITTERS
     from lrdsl.errors import CompileError, IRError
     from lrdsl.passes.autodiff import ADJOINTS
     from lrdsl.passes.verify import verify

@@ -127,7 +127,7 @@ def test_tiles_held_in_their_stored_dtype_are_converted_where_read(name):
 # -- register pressure (codegen/pressure.py) and the backward's chunk size ------------------------
 
 def _contexts(name):
-    from lrdsl.codegen.chunk import KernelContext
+    from lrdsl.codegen.context import KernelContext
 
     item = run_pipeline(load_spec(spec_path(name)))["save"]
     plan = item.backward.plans[0]
@@ -153,7 +153,7 @@ def test_live_tiles_grow_with_the_chunk_and_the_backward_output_holds_most():
 def test_backward_chunk_size_follows_register_pressure(name, expected):
     """The largest chunk size whose backward kernels fit their registers (within the tolerance):
     the gated and delta specs' output kernel overflows at 64, linear attention's does not."""
-    from lrdsl.codegen.chunk import backward_chunk_sizes, largest_chunk_sizes
+    from lrdsl.codegen.launch import backward_chunk_sizes, largest_chunk_sizes
 
     item, _, _ = _contexts(name)
     sizes = backward_chunk_sizes(item.backward, largest_chunk_sizes(item))
@@ -169,7 +169,7 @@ def test_forward_chunk_size_follows_register_pressure(name, expected, monkeypatc
     registers (within the forward's tolerance): kda's apply and gla's output kernels overflow at
     64, the scalar-gated specs' do not; rwkv7 is capped by its largest chunk size (32). chunk()
     without chunk_size runs at it."""
-    from lrdsl.codegen.chunk import forward_chunk_sizes, largest_chunk_sizes
+    from lrdsl.codegen.launch import forward_chunk_sizes, largest_chunk_sizes
 
     item, _, _ = _contexts(name)
     sizes = forward_chunk_sizes(item.forward, largest_chunk_sizes(item))

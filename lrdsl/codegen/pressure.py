@@ -18,6 +18,8 @@ bound; its use is comparing chunk sizes and kernels of one spec, not predicting 
 from __future__ import annotations
 
 from ..passes.plan import FP32_BUFFER_SHAPES
+from .emitters import emitted_args
+from .kernels import key_head_results
 from .schedule import eager_sums, is_loadable, place_values
 
 ACC_BYTES = 4  # a tile's elements are fp32 unless a loaded value stays in the matmul dtype
@@ -36,7 +38,6 @@ def _tile_bytes(ctx, value: str, dims: dict[str, int], operand_bytes: int) -> in
 def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes: int = 2) -> int:
     """The most tile bytes live at once in one program of a chunk-parallel kernel (K = V =
     head_dim, V tiles block_v wide, matmul operands of operand_bytes per element)."""
-    from .chunk import emitted_args, key_head_results  # chunk.py builds the kernels this measures
 
     place, _ = place_values(ctx)
     eager = ctx.eager = eager_sums(ctx, place)

@@ -1,0 +1,217 @@
+"""The context a chunk kernel is emitted in: which program, plan and kernel, what each value reads
+and how each tile is held (KernelContext), the Triton names of values and parameters, and where a
+tile lives in memory (the addressing helpers the emitters and kernels share).
+
+Tiles are ACC (fp32; fp64 for fp64 inputs) in registers; matmul operands are cast to DOT_DTYPE
+(the q/k/v dtype on a GPU, ACC in the interpreter, where 16-bit dots are wrong), accumulating in
+fp32 or wider.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.chunk import (
+    COTANGENT,
+    SAVED,
+    ChunkProgram,
+    Formula,
+    Load,
+    MatMul,
+    UnitLowerInverse,
+)
+from ..ir.plan import Kernel, Plan
+from .names import gradient_pointer
+from .schedule import readers
+
+
+BLOCK_DIMS = {"C": "BT", "K": "BK", "V": "BV"}
+SOLVE_BLOCK = 16  # the triangular solve works on 16 x 16 blocks
+
+
+def var(name: str) -> str:
+    return f"b_{name}"
+
+
+def buffer_param(value: str) -> str:
+    return f"buf_{value}"
+
+
+def saved_param(source: str) -> str:
+    """The parameter of a forward buffer the backward reads (`saved:H` -> saved_H)."""
+    return "saved_" + source[len(SAVED):]
+
+
+def result_param(role: str) -> str:
+    """The kernel parameter (and launcher local) a result role is written to: o, d_q, d_in_beta, ..."""
+    return "o" if role == "o" else gradient_pointer(role.split(":", 1)[1])
+
+
+# The pointer of the output's gradient (the backward's cotangent): a fixed name outside the
+# input namespaces (lrdsl.codegen.names).
+COTANGENT_POINTER = "d_o"
+
+
+@dataclass
+class KernelContext:
+    prog: ChunkProgram
+    plan: Plan
+    kernel: Kernel
+    accumulators: frozenset = frozenset()  # values summed over the V loop: `+=` instead of `=`
+    eager: dict = field(default_factory=dict)  # term -> (sum, starts it): schedule.eager_sums
+
+    def assign(self, value: str) -> str:
+        return f"{var(value)} {'+=' if value in self.accumulators else '='} "
+
+    def shape(self, value: str):
+        return self.prog.shape(value)
+
+    def block(self, shape) -> str:
+        dims = [BLOCK_DIMS[a] for a in shape]
+        return f"({dims[0]},)" if len(dims) == 1 else "(" + ", ".join(dims) + ")"
+
+    def stored_here(self, value: str) -> bool:
+        return value in self.kernel.stores
+
+    def solves(self) -> bool:
+        """Whether this kernel runs a triangular solve (its block merges take SOLVE_PRECISION)."""
+        return any(isinstance(self.prog.op(v), UnitLowerInverse) for v in self.kernel.computes)
+
+    def chunk_matrix_source(self) -> str | None:
+        """The parameter of the first C x C buffer made by another kernel that this chunk kernel
+        loads (its width is the kernel's CC_BT), or None."""
+        if self.kernel.kind != "chunk":
+            return None
+        for value in self.kernel.loads:
+            # a solve addresses the blocks of its input itself
+            if self.shape(value) == ("C", "C") and not read_only_by_solves(self, value):
+                return buffer_param(value)
+        for value in self.kernel.computes:
+            op = self.prog.op(value)
+            if isinstance(op, Load) and op.source.startswith(SAVED) and op.shape == ("C", "C"):
+                return saved_param(op.source)
+        return None
+
+    def readers(self, value: str) -> list:
+        """The ops of this kernel that read `value`."""
+        return [self.prog.op(v) for v in readers(self, value)]
+
+    def load_dtype(self, value: str) -> str | None:
+        """The register dtype a loaded value gets: DOT_DTYPE when only matmuls read it here (a
+        16-bit operand stays 16-bit: half the registers, no round trip through fp32); None (its
+        storage dtype) for a tile only matmuls and elementwise formulas read (`in_storage_dtype`);
+        else ACC."""
+        ops = self.readers(value)
+        if ops and all(isinstance(op, MatMul) for op in ops) and not self.stored_here(value):
+            return "DOT_DTYPE"
+        if self.in_storage_dtype(value):
+            return None
+        return "ACC"
+
+    def in_storage_dtype(self, value: str) -> bool:
+        """Whether a tile stays in registers in the dtype it is stored in (16 bits for 16-bit
+        inputs: half the registers of fp32), each reader converting it where it reads it: a
+        matmul to DOT_DTYPE, an elementwise formula to ACC. Converting a 16-bit number to fp32 is
+        exact, so the results are the same bit for bit. A loaded tile of two axes qualifies, and
+        so does a copy of one (d_U = d_Vn) whose readers qualify; a value stored, written as a
+        result or summed eagerly is converted once, where it is defined."""
+        op = self.prog.op(value)
+        loaded = value in self.kernel.loads or (
+            isinstance(op, Load) and (op.source in STORAGE_DTYPE_SOURCES or op.source.startswith(SAVED)))
+        copy = is_copy(op) and self.in_storage_dtype(op.args()[0])
+        if len(op.shape) != 2 or not (loaded or copy):
+            return False
+        return self._readers_convert(value)
+
+    def _readers_convert(self, value: str) -> bool:
+        if self.stored_here(value) or value in self.eager or value in {v for _, v in self.prog.results}:
+            return False
+        ops = self.readers(value)
+        return bool(ops) and all(
+            isinstance(op, MatMul) or (isinstance(op, Formula) and (not is_copy(op) or self._readers_convert(op.out)))
+            for op in ops
+        )
+
+
+# Call inputs a chunk kernel may hold in their own dtype (KernelContext.in_storage_dtype): the
+# others (gates, betas) are loaded in ACC whatever their readers.
+STORAGE_DTYPE_SOURCES = ("q", "k", "v", COTANGENT)
+
+
+def read_in_acc(ctx: KernelContext, value: str) -> str:
+    """A value as an elementwise formula reads it: in ACC (converted where it is held in its
+    storage dtype)."""
+    return f"{var(value)}.to(ACC)" if ctx.in_storage_dtype(value) else var(value)
+
+
+def is_copy(op) -> bool:
+    """A formula that is one value unchanged (d_U = d_Vn: the same tile under a second name)."""
+    return isinstance(op, Formula) and op.expr.is_Symbol
+
+
+def read_only_by_solves(ctx: KernelContext, value: str) -> bool:
+    ops = ctx.readers(value)
+    return bool(ops) and all(isinstance(op, UnitLowerInverse) for op in ops)
+
+
+# -- addressing --------------------------------------------------------------------------------
+
+ROW = "(bos + o_t)"
+
+
+def tile_address(shape, row_stride: str, head_offset: str, width: str) -> tuple[str, str]:
+    """Offsets and mask of a per-row tile in a token-major tensor [.., T, heads, width]."""
+    if shape == ("C",):
+        return f"{ROW} * {row_stride} + {head_offset}", "m_t"
+    column = {"K": ("o_k", "m_k"), "V": ("o_v", "m_v"), "C": ("o_c", None)}[shape[1]]
+    offsets = f"{ROW}[:, None] * ({row_stride} * {width}) + {head_offset} * {width} + {column[0]}[None, :]"
+    mask = "m_t[:, None]" + (f" & {column[1]}[None, :]" if column[1] else "")
+    return offsets, mask
+
+
+def buffer_address(shape, made_elsewhere: bool = False) -> tuple[str, str]:
+    """Offsets and mask of this chunk's tile in a buffer (layouts in lrdsl.ir.plan).
+    made_elsewhere: a C x C tile another kernel stored, maybe at a multiple of this chunk size."""
+    if shape == ("C", "C") and made_elsewhere:
+        return sub_chunk_matrix_address()
+    if shape == ():
+        return "i_c * HV + i_hv", ""
+    if shape == ("K",):
+        return "(i_c * HV + i_hv) * K + o_k", "m_k"
+    if shape == ("K", "V"):
+        return "(i_c * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]", "m_k[:, None] & m_v[None, :]"
+    width = {("C", "K"): "K", ("C", "V"): "V", ("C", "C"): "BT", ("C",): ""}[shape]
+    return tile_address(shape, "HV", "i_hv", width)
+
+
+def sub_chunk_matrix_address() -> tuple[str, str]:
+    """A C x C buffer made at chunk size CC_BT, a multiple of BT (the forward call's solved system,
+    which the backward keeps under save_solve while it runs at its own smaller chunk size): each
+    row holds CC_BT columns, and this chunk's tile is the diagonal block of its sub-chunk, which
+    is what solving at BT gives. Where CC_BT == BT the column offset is 0."""
+    offsets = f"{ROW}[:, None] * (HV * CC_BT) + i_hv * CC_BT + (i_t * BT) % CC_BT + o_c[None, :]"
+    return offsets, "m_t[:, None]"
+
+
+def load_line(target: str, pointer: str, offsets: str, mask: str, dtype: str | None = "ACC") -> str:
+    """A tile's load, converted to `dtype` (None: kept in the dtype it is stored in)."""
+    convert = f".to({dtype})" if dtype else ""
+    if not mask:
+        return f"{target} = tl.load({pointer} + {offsets}){convert}"
+    return f"{target} = tl.load({pointer} + {offsets}, mask={mask}, other=0.0){convert}"
+
+
+def store_line(pointer: str, offsets: str, mask: str, value: str) -> str:
+    masked = f", mask={mask}" if mask else ""
+    return f"tl.store({pointer} + {offsets}, {value}.to({pointer}.dtype.element_ty){masked})"
+
+
+def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
+    made_elsewhere = ctx.kernel.kind == "chunk" and not ctx.stored_here(value)
+    offsets, mask = buffer_address(ctx.shape(value), made_elsewhere=made_elsewhere)
+    line = load_line(var(value), buffer_param(value), offsets, mask, ctx.load_dtype(value))
+    return [f"# {value}: stored by an earlier kernel", line]
+
+
+def emit_buffer_store(value: str, ctx: KernelContext) -> list[str]:
+    offsets, mask = buffer_address(ctx.shape(value))
+    return [store_line(buffer_param(value), offsets, mask, var(value))]

@@ -1,0 +1,369 @@
+"""One registered emitter per chunk op (CHUNK_EMITTERS): the Triton lines that compute the op's
+value from its arguments' registers, and the helpers of the key-channel gates' per-channel decayed
+products that modules using them carry."""
+from __future__ import annotations
+
+from ..errors import CompileError
+from ..ir.chunk import (
+    Band,
+    COTANGENT,
+    SAVED,
+    Broadcast,
+    ChunkProgram,
+    Cumsum,
+    DecayMatrix,
+    DecayedGram,
+    DecayedMatMul,
+    Diagonal,
+    Formula,
+    LastRow,
+    Load,
+    Mask,
+    MaskRows,
+    MatMul,
+    Normalize,
+    NormalizeGrad,
+    PlaceLastRow,
+    ReduceSum,
+    StateIn,
+    UnitLowerInverse,
+)
+from ..ir.formula import HEAD_INDEX
+from ..ir.recurrence import InputRole
+from ..registry import TypeRegistry
+from .context import (
+    COTANGENT_POINTER,
+    SOLVE_BLOCK,
+    KernelContext,
+    buffer_address,
+    buffer_param,
+    emit_buffer_load,
+    is_copy,
+    load_line,
+    read_in_acc,
+    saved_param,
+    tile_address,
+    var,
+)
+from .names import input_pointer
+from .printer import to_triton
+from .templating import render
+
+
+CHUNK_EMITTERS = TypeRegistry("chunk kernel emitter", CompileError)
+
+
+@CHUNK_EMITTERS.register(Load)
+def _load(op: Load, ctx: KernelContext) -> list[str]:
+    target = var(op.out)
+    if op.source == "scale":
+        return [f"{target} = scale"]
+    if op.source == str(HEAD_INDEX):
+        return [f"{target} = i_hv.to(ACC)  # the value-head index h"]
+    if op.source in ("q", "k"):
+        offsets, mask = tile_address(op.shape, "H", "i_h", "K")
+        return [load_line(target, op.source, offsets, mask, ctx.load_dtype(op.out))]
+    if op.source in ("v", COTANGENT):
+        offsets, mask = tile_address(op.shape, "HV", "i_hv", "V")
+        return [load_line(target, "v" if op.source == "v" else COTANGENT_POINTER, offsets, mask, ctx.load_dtype(op.out))]
+    if op.source.startswith(SAVED):
+        offsets, mask = buffer_address(op.shape, made_elsewhere=ctx.kernel.kind == "chunk")
+        return [load_line(target, saved_param(op.source), offsets, mask, ctx.load_dtype(op.out))]
+    role = ctx.prog.recurrence.input(op.source).role
+    if role is InputRole.HEAD:
+        return [load_line(target, input_pointer(op.source), "i_hv", "")]
+    if role is InputRole.TOKEN:
+        offsets, mask = tile_address(op.shape, "HV", "i_hv", "")
+        return [load_line(target, input_pointer(op.source), offsets, mask)]
+    if role is InputRole.TOKEN_KEY:  # [B, T, HV, K]: like v, by value head
+        offsets, mask = tile_address(op.shape, "HV", "i_hv", "K")
+        return [load_line(target, input_pointer(op.source), offsets, mask)]
+    return [load_line(target, input_pointer(op.source), "i_hv * K + o_k", "m_k")]  # HEAD_KEY: [HV, K]
+
+
+@CHUNK_EMITTERS.register(StateIn)
+def _state_in(op: StateIn, ctx: KernelContext) -> list[str]:
+    # Only the scan computes the entry state: it is the loop-carried state variable itself.
+    return []
+
+
+def _row_norm(value: str) -> str:
+    """The row norms of a Normalize's input (a temporary outside the b_ namespace of values)."""
+    return f"row_norm_{value}"
+
+
+def emitted_args(ctx: KernelContext, value: str) -> tuple[str, ...]:
+    """The values an op's emitted code reads: its arguments, but for the adjoint of a
+    normalisation this kernel computes, which reads the normalised rows instead of the raw ones."""
+    op = ctx.prog.op(value)
+    if isinstance(op, NormalizeGrad) and (normalized := _normalized_here(ctx, op.x)) is not None:
+        return (normalized, op.dy)
+    return op.args()
+
+
+def _normalized_here(ctx: KernelContext, x: str) -> str | None:
+    """The value this kernel normalises `x` into, if it does (its rows are the unit vectors)."""
+    for value in ctx.kernel.computes:
+        op = ctx.prog.op(value)
+        if isinstance(op, Normalize) and op.x == x:
+            return value
+    return None
+
+
+@CHUNK_EMITTERS.register(Normalize)
+def _normalize(op: Normalize, ctx: KernelContext) -> list[str]:
+    x, y = var(op.x), var(op.out)
+    # the row norms are named: an adjoint in the same kernel reads them (_normalize_grad), so the
+    # input tile dies here instead of living until the gradient
+    norm = _row_norm(op.out)
+    return [
+        f"{y} = {x}",
+        "if USE_QK_L2NORM:",
+        f"    {norm} = tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)",
+        f"    {y} = {x} / {norm}[:, None]",
+    ]
+
+
+@CHUNK_EMITTERS.register(Formula)
+def _formula(op: Formula, ctx: KernelContext) -> list[str]:
+    # a copy of a tile held in its storage dtype keeps that dtype
+    names = {a: var(a) if is_copy(op) else read_in_acc(ctx, a) for a in op.args()}
+    text = to_triton(op.expr, names)
+    arg_shapes = {ctx.shape(a) for a in op.args()}
+    if op.shape and arg_shapes <= {()}:  # only scalars read: spread the value over the tile
+        text = f"tl.zeros({ctx.block(op.shape)}, dtype=ACC) + ({text})"
+    return [f"{var(op.out)} = {text}"]
+
+
+@CHUNK_EMITTERS.register(MaskRows)
+def _mask_rows(op: MaskRows, ctx: KernelContext) -> list[str]:
+    if len(op.shape) == 1:
+        return [f"{var(op.out)} = tl.where(m_t, {var(op.x)}, 0.0)"]
+    if op.shape != ("C", "K"):
+        raise CompileError(f"rows_in_sequence of a {' x '.join(op.shape)} tile: only C and C x K values are masked")
+    # a C x K tile (a per-key-channel formula): key lanes past K (BK pads K to a power of two)
+    # too; a formula of the zero-padded inputs need not be 0 there, and a gram over keys sums it
+    return [f"{var(op.out)} = tl.where(m_t[:, None] & m_k[None, :], {var(op.x)}, 0.0)"]
+
+
+@CHUNK_EMITTERS.register(Broadcast)
+def _broadcast(op: Broadcast, ctx: KernelContext) -> list[str]:
+    source, x = ctx.shape(op.x), var(op.x)
+    if source == ():
+        return [f"{var(op.out)} = tl.zeros({ctx.block(op.shape)}, dtype=ACC) + {x}"]
+    spread = f"{x}[:, None]" if source == op.shape[:1] else f"{x}[None, :]"
+    return [f"{var(op.out)} = tl.broadcast_to({spread}, {ctx.block(op.shape)})"]
+
+
+@CHUNK_EMITTERS.register(Cumsum)
+def _cumsum(op: Cumsum, ctx: KernelContext) -> list[str]:
+    if op.exclusive:
+        # sum_{j < i} x_j (or j > i): a masked C x C sum, exact where inclusive-minus-x would cancel
+        rows_before = "o_c[None, :] > o_c[:, None]" if op.reverse else "o_c[None, :] < o_c[:, None]"
+        x = var(op.x)
+        if op.shape == ("C",):
+            return [f"{var(op.out)} = tl.sum(tl.where({rows_before}, {x}[None, :], 0.0), axis=1)"]
+        # per key channel: the rows shifted by one (each row's own value drops out), then an
+        # inclusive sum -- summed directly too
+        neighbour, inside = ("tl.minimum(o_c + 1, BT - 1)", "o_c < BT - 1") if op.reverse else ("tl.maximum(o_c - 1, 0)", "o_c > 0")
+        rows = f"tl.broadcast_to(({neighbour})[:, None], {ctx.block(op.shape)})"
+        reverse = ", reverse=True" if op.reverse else ""
+        return [
+            f"{var(op.out)} = tl.where(({inside})[:, None], tl.gather({x}, {rows}, axis=0), 0.0)",
+            f"{var(op.out)} = tl.cumsum({var(op.out)}, axis=0{reverse})",
+        ]
+    reverse = ", reverse=True" if op.reverse else ""
+    return [f"{var(op.out)} = tl.cumsum({var(op.x)}, axis=0{reverse})"]
+
+
+@CHUNK_EMITTERS.register(LastRow)
+def _last_row(op: LastRow, ctx: KernelContext) -> list[str]:
+    rows = "o_c == BT - 1" if op.shape == () else "(o_c == BT - 1)[:, None]"
+    return [f"{var(op.out)} = tl.sum(tl.where({rows}, {var(op.x)}, 0.0), axis=0)"]
+
+
+def _lower(inclusive: bool) -> str:
+    return f"o_c[:, None] {'>=' if inclusive else '>'} o_c[None, :]"
+
+
+@CHUNK_EMITTERS.register(DecayMatrix)
+def _decay(op: DecayMatrix, ctx: KernelContext) -> list[str]:
+    x = var(op.x)
+    return [f"{var(op.out)} = tl.exp2(tl.where({_lower(op.inclusive)}, {x}[:, None] - {x}[None, :], float('-inf')))"]
+
+
+# -- key-channel gates: per-channel decayed products (helpers in KEY_CHANNEL_HELPERS) ------------
+
+
+@CHUNK_EMITTERS.register(DecayedGram)
+def _decayed_gram(op: DecayedGram, ctx: KernelContext) -> list[str]:
+    args = f"{var(op.a)}, {var(op.b)}, {var(op.x)}, {var(op.column_decay)}, {op.inclusive}, {op.y is not None}"
+    return [f"{var(op.out)} = decayed_gram({args}, BT, DOT_DTYPE, DOT_PRECISION)"]
+
+
+@CHUNK_EMITTERS.register(DecayedMatMul)
+def _decayed_matmul(op: DecayedMatMul, ctx: KernelContext) -> list[str]:
+    args = f"{var(op.m)}, {var(op.b)}, {var(op.x)}, {var(op.column_decay)}, {op.transpose}"
+    return [f"{var(op.out)} = decayed_matmul({args}, BT, DOT_DTYPE, DOT_PRECISION)"]
+
+
+@CHUNK_EMITTERS.register(Diagonal)
+def _diagonal(op: Diagonal, ctx: KernelContext) -> list[str]:
+    return [f"{var(op.out)} = tl.sum(tl.where(o_c[:, None] == o_c[None, :], {var(op.x)}, 0.0), axis=1)"]
+
+
+KEY_CHANNEL_OPS = (DecayedGram, DecayedMatMul)  # the ops that call the helpers below
+# Triton helpers of the per-channel decayed products; written into modules whose chunk programs
+# use them. exp2(x_i - x_j) per key channel spans up to C steps of decay: split as
+# exp2(x_i) * exp2(-x_j) over the whole chunk it overflows (g = -30 per step is -43 in log2 units
+# per row). Instead every pair i > j is split at a row r between them, inside a block of rows that
+# holds both: exp2(x_i - x_r) * exp2(x_r - x_j), each factor at most 1, so nothing overflows and a
+# factor that underflows to 0 belongs to a product that is below fp32's range anyway. (The dplr
+# update's products pair an exclusive row decay x with an inclusive column decay y: the same split
+# with y at the row r.) Blocks of
+# 2, 4, ..., C rows, split in their middle, cover every pair exactly once: log2(C) tensor-core
+# products per decayed product, plus the diagonal (exp2(0) = 1) where it is included.
+KEY_CHANNEL_HELPERS = '''\
+@triton.jit
+def decay_split(x, y, S: tl.constexpr, BT: tl.constexpr, R: tl.constexpr):
+    """One level of the per-channel decay split: blocks of 2S rows split at their row r = R
+    (S: the second half's first row; S - 1: the first half's last row; either lies between the
+    rows of every pair the level covers).
+
+    Returns up = exp2(x_i - y_r) on rows i of a block's second half (else 0), down = exp2(y_r - y_j)
+    on rows j of its first half (else 0), and pairs[i, j]: i in the second half and j in the first
+    half of the same block. y does not increase down the rows, and x is y (R either row) or the
+    exclusive decay beside an inclusive y (x_i = y_(i-1); R = S - 1), so both factors are at most 1."""
+    BK: tl.constexpr = x.shape[1]
+    blocks = tl.reshape(y, (BT // (2 * S), 2 * S, BK))
+    middle = (tl.arange(0, 2 * S) == R)[None, :, None]
+    y_mid = tl.sum(tl.where(middle, blocks, 0.0), axis=1)  # one row per block, exactly
+    y_mid = tl.reshape(tl.broadcast_to(y_mid[:, None, :], (BT // (2 * S), 2 * S, BK)), (BT, BK))
+    o_c = tl.arange(0, BT)
+    second = (o_c // S) % 2 == 1
+    first = (o_c // S) % 2 == 0
+    up = tl.exp2(tl.where(second[:, None], x - y_mid, float("-inf")))
+    down = tl.exp2(tl.where(first[:, None], y_mid - y, float("-inf")))
+    pairs = (o_c[:, None] // (2 * S) == o_c[None, :] // (2 * S)) & second[:, None] & first[None, :]
+    return up, down, pairs
+
+
+@triton.jit
+def decayed_gram(a, b, x, y, INCLUSIVE: tl.constexpr, TWO_DECAYS: tl.constexpr, BT: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """BT x BT: sum_c a_ic b_jc exp2(x_ic - y_jc) where i > j (i >= j if INCLUSIVE, where y is x),
+    else 0. With one decay (y is x) it splits at the second half's first row; with two (x the
+    exclusive decay) at the first half's last row, the only row between every pair then."""
+    o_c = tl.arange(0, BT)
+    m = tl.zeros((BT, BT), dtype=x.dtype)
+    if INCLUSIVE:  # the diagonal decays by exp2(0) = 1
+        m += tl.where(o_c[:, None] == o_c[None, :], tl.sum(a * b, axis=1)[:, None], 0.0)
+    for level in tl.static_range(7):  # blocks of 2S rows, S = 1, 2, 4, ... < BT
+        if (1 << level) < BT:
+            if TWO_DECAYS:
+                up, down, pairs = decay_split(x, y, 1 << level, BT, (1 << level) - 1)
+            else:
+                up, down, pairs = decay_split(x, y, 1 << level, BT, 1 << level)
+            part = tl.dot((a * up).to(DOT_DTYPE), tl.trans((b * down).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            m += tl.where(pairs, part, 0.0)
+    return m
+
+
+@triton.jit
+def decayed_matmul(m, b, x, y, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """BT x BK: sum_{j < i} m_ij b_jc exp2(x_ic - y_jc), or with TRANSPOSE
+    sum_{j > i} m_ji b_jc exp2(x_jc - y_ic).
+
+    It splits at the first half's last row: with one decay that is the row before decayed_gram's,
+    and with the same split the compiler would share the product's operand tiles with a
+    decayed_gram of the same inputs earlier in the kernel and keep them in shared memory until
+    here (a backward kernel then asked for 320 KB)."""
+    out = tl.zeros((BT, x.shape[1]), dtype=x.dtype)
+    for level in tl.static_range(7):
+        if (1 << level) < BT:
+            up, down, pairs = decay_split(x, y, 1 << level, BT, (1 << level) - 1)
+            block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
+            if TRANSPOSE:
+                out += down * tl.dot(tl.trans(block), (b * up).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            else:
+                out += up * tl.dot(block, (b * down).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return out
+'''
+
+
+def uses_key_channel_helpers(*programs: ChunkProgram) -> bool:
+    return any(isinstance(op, KEY_CHANNEL_OPS) for prog in programs for op in prog.ops)
+
+
+@CHUNK_EMITTERS.register(Band)
+def _band(op: Band, ctx: KernelContext) -> list[str]:
+    gap = "(o_c[:, None] - o_c[None, :])"
+    keep = f"({gap} >= {op.lo})" + (f" & ({gap} <= {op.hi})" if op.hi is not None else "")
+    return [f"{var(op.out)} = tl.where({keep}, {var(op.x)}, 0.0)"]
+
+
+@CHUNK_EMITTERS.register(Mask)
+def _mask(op: Mask, ctx: KernelContext) -> list[str]:
+    return [f"{var(op.out)} = tl.where({_lower(op.inclusive)}, {var(op.x)}, 0.0)"]
+
+
+@CHUNK_EMITTERS.register(MatMul)
+def _matmul(op: MatMul, ctx: KernelContext) -> list[str]:
+    def operand(name: str, transpose: bool) -> str:
+        x = f"{var(name)}.to(DOT_DTYPE)"
+        return f"tl.trans({x})" if transpose else x
+
+    a, b = operand(op.a, op.transpose_a), operand(op.b, op.transpose_b)
+    return [f"{ctx.assign(op.out)}tl.dot({a}, {b}, input_precision=DOT_PRECISION)"]
+
+
+@CHUNK_EMITTERS.register(ReduceSum)
+def _reduce_sum(op: ReduceSum, ctx: KernelContext) -> list[str]:
+    # padded rows and columns hold 0 in every tile, so sums need no masks
+    x = var(op.x)
+    if op.shape == ():
+        return [f"{ctx.assign(op.out)}tl.sum({x})"]
+    (axis,) = op.axes
+    return [f"{ctx.assign(op.out)}tl.sum({x}, axis={axis})"]
+
+
+@CHUNK_EMITTERS.register(PlaceLastRow)
+def _place_last_row(op: PlaceLastRow, ctx: KernelContext) -> list[str]:
+    if op.shape == ("C",):
+        return [f"{var(op.out)} = tl.where(o_c == BT - 1, {var(op.x)}, 0.0)"]
+    return [f"{var(op.out)} = tl.where((o_c == BT - 1)[:, None], {var(op.x)}[None, :], 0.0)"]
+
+
+@CHUNK_EMITTERS.register(NormalizeGrad)
+def _normalize_grad(op: NormalizeGrad, ctx: KernelContext) -> list[str]:
+    x, dy, dx = var(op.x), var(op.dy), var(op.out)
+    # temporaries outside the b_ namespace of values: 1 / the row norms, the normalised rows
+    r, y = f"inv_norm_{op.out}", f"unit_{op.out}"
+    normalized = _normalized_here(ctx, op.x)
+    if normalized is not None:  # this kernel normalised x: its rows and norms, not x again
+        return [
+            f"{dx} = {dy}",
+            "if USE_QK_L2NORM:",
+            f"    {r} = 1.0 / {_row_norm(normalized)}",
+            f"    {dx} = {r}[:, None] * ({dy} - {var(normalized)} * tl.sum({var(normalized)} * {dy}, axis=1)[:, None])",
+        ]
+    return [
+        f"{dx} = {dy}",
+        "if USE_QK_L2NORM:",
+        f"    {r} = 1.0 / tl.sqrt(tl.sum({x} * {x}, axis=1) + 1e-6)",
+        f"    {y} = {x} * {r}[:, None]",
+        f"    {dx} = {r}[:, None] * ({dy} - {y} * tl.sum({y} * {dy}, axis=1)[:, None])",
+    ]
+
+
+@CHUNK_EMITTERS.register(UnitLowerInverse)
+def _unit_lower_inverse(op: UnitLowerInverse, ctx: KernelContext) -> list[str]:
+    in_memory = {b.value for b in ctx.plan.buffers}
+    if op.a not in in_memory or op.out not in in_memory:
+        raise CompileError(f"the triangular solve needs {op.a} and {op.out} in memory (plan {ctx.plan.name})")
+    lines = render("solve_blocks.py.jinja", a=buffer_param(op.a), x=buffer_param(op.out), block=SOLVE_BLOCK)
+    lines = lines.rstrip("\n").split("\n")
+    if any(op.out in ctx.prog.op(v).args() for v in ctx.kernel.computes):
+        lines += [f"# {op.out} whole, for the matmuls below", *emit_buffer_load(op.out, ctx)[1:]]
+    return lines

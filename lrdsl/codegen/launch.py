@@ -1,0 +1,180 @@
+"""Launch settings and chunk sizes the generated module carries: per kernel role (value columns
+per block, warps, pipeline stages) with the shape- and dtype-dependent overrides measured on the
+H200, the largest chunk size whose kernels fit a block's shared memory, and the chunk sizes the
+register-pressure estimate picks for the forward and the backward."""
+from __future__ import annotations
+
+from ..errors import CompileError
+from ..ir.chunk import ChunkProgram
+from ..ir.plan import BackwardPlan, ChunkPlans, Plan
+from .context import KernelContext
+from .emitters import KEY_CHANNEL_OPS
+from .pressure import peak_tile_bytes
+
+
+# Launch settings per kernel role (value columns per block, warps, pipeline stages); the module
+# carries them. Backward roles are the backward program's kernel names with "bwd_" in front.
+CHUNK_LAUNCH = {
+    "prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "system": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    # one warp: the solve's tiles are 16 x 16 blocks, and within a warp its row reductions are
+    # register shuffles, with no shared memory or barrier between warps (H200, 4 x 4096: the
+    # forward 1.337 -> 1.167 ms against 4 warps)
+    "solve": {"BV": 64, "num_warps": 1, "num_stages": 2},
+    # apply and output: a third stage hides their tile loads (H200, gdn forward 1.214 -> 1.192 ms
+    # each at 4 x 4096, 2.140 -> 2.127 / 2.109 ms at 1 x 65536)
+    "apply": {"BV": 64, "num_warps": 4, "num_stages": 3},
+    # the scans: 64 value columns per program where that still gives every multiprocessor a
+    # program (CHUNK_LAUNCH_FEW_PROGRAMS below otherwise): each chunk's keys and W are read once
+    # for twice the columns (gdn forward at 4 x 4096: 1.214 -> 1.147 ms; forward + backward with
+    # the backward scan so: 6.127 -> 5.651 ms)
+    "scan": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "output": {"BV": 64, "num_warps": 4, "num_stages": 3},
+    "bwd_prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    "bwd_scan": {"BV": 64, "num_warps": 4, "num_stages": 3},
+    "bwd_output": {"BV": 64, "num_warps": 8, "num_stages": 1},
+}
+# Smaller settings where the backward's output kernel holds larger tiles, else it runs out of
+# shared memory: K > 128 key channels (bf16 operands), or fp32 operands (precision="tf32").
+# The forward output kernel keeps 32 columns and 2 stages: with BK = 256, BV = 32 and one stage it
+# computed wrong results on the H200 (triton 3.6.0), while these were checked there.
+# The scans, apply and output keep there the settings they were checked with (32 value columns,
+# 2 stages): the wider or deeper ones above were measured at K = 128 with 16-bit operands only.
+_CHECKED_WIDE = {"scan": {"BV": 32, "num_stages": 2}, "bwd_scan": {"BV": 32, "num_stages": 2},
+                 "apply": {"num_stages": 2}, "output": {"num_stages": 2}}
+CHUNK_LAUNCH_WIDE_K = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
+CHUNK_LAUNCH_FP32 = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
+# fp32 and fp64 inputs multiply in their own width whatever the precision: their tiles take twice
+# (four times) the shared memory of 16-bit ones, so none of the wider settings for 16-bit inputs
+# apply (128 value columns for the backward output kernel would need 304,640 bytes at C = 32).
+CHUNK_LAUNCH_WIDE_INPUTS = {**_CHECKED_WIDE}
+# The largest chunk size whose kernels fit an sm_90 block's shared memory (232,448 bytes), by
+# (precision, K > 128), after how many per-key-channel decayed products (DecayedGram,
+# DecayedMatMul: each holds C x K operand tiles) the backward's output kernel, the largest
+# kernel, computes. Measured with `python -m lrdsl.resources SPEC --chunk-size C --kernels
+# bwd_output` on that kernel at its launch settings (bytes; the sizes chunk() refuses, marked
+# over, were compiled with the module's LARGEST_CHUNK_SIZE lifted in the measuring process):
+#   0 (gdn, scalar gates)   C = 64: 73,728 (K = 128), 139,264 (K = 256); fp32 operands ("tf32")
+#                           at C = 64, K = 128: 237,568, over, so tf32 takes C <= 32 everywhere
+#                           (73,728 at C = 32)
+#   3 (gla)                 C = 64, K = 256: 98,304
+#   5 (kda and variants)    C = 64: 155,648 at K = 128, 303,104 at K = 256 (over; 36,864 at C = 32);
+#                           tf32 C = 32: 69,632 / 118,784
+#   10 (rwkv7, dplr)        C = 64, K = 128: 417,792 (over; 126,976 at C = 32, 212,992 at K = 256);
+#                           tf32 C = 32, K = 128: 282,624 (over; 120,832 at C = 16); tf32 at K = 256
+#                           233,472 even at C = 16: no chunk size fits (None), chunk() refuses it
+# A program with more decayed products than measured here is refused at compile time.
+LARGEST_CHUNK_SIZES = (  # (at most this many decayed products, {(precision, K > 128): chunk size or None})
+    (3, {("input", False): 64, ("input", True): 64, ("tf32", False): 32, ("tf32", True): 32}),
+    (5, {("input", False): 64, ("input", True): 32, ("tf32", False): 32, ("tf32", True): 32}),
+    (10, {("input", False): 32, ("input", True): 32, ("tf32", False): 16, ("tf32", True): None}),
+)
+
+
+def backward_key_channel_products(item: BackwardPlan) -> int:
+    """How many per-key-channel decayed products the backward's output kernel computes."""
+    prog = item.backward.graph.program
+    output = next(k for k in item.backward.plans[0].kernels if k.name == "output")
+    return sum(isinstance(prog.op(value), KEY_CHANNEL_OPS) for value in output.computes)
+
+
+def largest_chunk_sizes(item: BackwardPlan) -> dict:
+    """The generated module's LARGEST_CHUNK_SIZE, from what the backward's output kernel computes
+    (how many per-key-channel decayed products), never from the spec's name."""
+    prog = item.backward.graph.program
+    products = backward_key_channel_products(item)
+    for most, sizes in LARGEST_CHUNK_SIZES:
+        if products <= most:
+            return sizes
+    raise CompileError(f"{prog.recurrence.name}: the backward's output kernel computes {products} per-key-channel "
+                       f"decayed products, more than any chunk size was measured to fit (python -m lrdsl.resources)")
+
+
+# The scan walks a sequence's chunks one after another, so where its programs at 64 value columns
+# would leave multiprocessors idle (few sequences x heads) it takes 32 columns (twice the
+# programs) and a deeper pipeline, which hides each step's loads behind the previous step's
+# matmuls. Measured on the H200, gdn 1 x 65536 with 8 value heads (16 programs at 64 columns):
+# forward 2.893 ms at 64 columns, 2.140 at 32 with 3 stages, 1.981 with 4; the backward scan
+# 13.27 / 11.49 (3 stages) / 11.52 ms (4) forward + backward; at 1 x 32768 with 32 value heads
+# (64 programs at 64 columns) the forward took 2.826 (64 columns), 2.460 (64, 4 stages) and
+# 2.395 ms (32, 4 stages), the backward scan 11.97 ms at 64 columns against 11.64 at 32.
+CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"BV": 32, "num_stages": 4}, "bwd_scan": {"BV": 32, "num_stages": 3}}
+# Where even 32 columns give fewer programs than half the multiprocessors, 16 (the narrowest tile
+# a matmul takes): gdn 1 x 65536 with 8 value heads (32 programs at 32 columns) forward 1.902 ->
+# 1.867 ms, forward + backward (the backward scan so) 10.328 -> 9.987 ms. At 1 x 32768 with 32
+# value heads (128 programs at 32 columns) 16 columns were slower: 2.357 -> 2.808 and 11.44 -> 11.59.
+CHUNK_LAUNCH_FEWER_PROGRAMS = {"scan": {"BV": 16}, "bwd_scan": {"BV": 16}}
+# Below the largest chunk size (C = 32: the backward's usual case, and kda's and gla's forward)
+# tiles are half as tall, and the settings change where that was measured to pay (H200, bf16):
+#  - the backward output kernel takes 128 value columns per program in 2 stages: 7.27 -> 6.88 ms
+#    forward + backward at 4 x 4096 (gdn) for the 2 stages, 6.127 -> 5.652 ms for the 128
+#    columns; at C = 64 one stage was 2.4 ms faster (spills bind there);
+#  - the system and output kernels run 2 warps (32-row tiles give 4 warps little to share):
+#    kda's forward 1.90 -> 1.59 ms, gla's 1.02 -> 0.86 ms (4 x 4096, H = HV = 16) together with
+#    the scan's 64 columns. Each alone gained 4-13 %.
+#    Not where the kernel computes per-key-channel decayed products (their C x K operand tiles
+#    come on top): gla's forward + backward took 5.654 ms at 128 columns, 5.353 at 64.
+CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 2}, "system": {"num_warps": 2},
+                            "output": {"num_warps": 2}}
+CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**CHUNK_LAUNCH_SMALL_CHUNK, "bwd_output": {"num_stages": 2}}
+
+# The backward recomputes the forward's buffers, or reads only the solved systems (save policies
+# "recompute", "save_solve"), and so may use its own chunk size. Its output kernel holds many
+# more tiles than any forward kernel (every gradient of a chunk), and past the register file it
+# spills in its inner work: at C = 64 the gdn estimate is 2.4x the register file and the kernel
+# took 6.2 ms at 4 x 4096 (H200), at C = 32 (1.07x) it took 3.4 ms and forward + backward fell
+# from 9.6 to 7.3 ms, at C = 16 (0.7x) the scans' extra steps cost more than the kernel gained
+# (8.7 ms). The estimate is a lower bound (Triton's temporaries are not counted), so a kernel may
+# exceed the register file by a quarter.
+REGISTER_FILE_BYTES_PER_WARP = 32 * 255 * 4  # 32 threads x 255 registers of 4 bytes
+BACKWARD_PRESSURE_TOLERANCE = 1.25
+# The forward picks its chunk size by the same estimate, with less slack: its kernels are shorter,
+# so the scan's steps (twice as many at half the chunk size) weigh less against a spilling kernel.
+# Measured on the H200 (4 x 4096, H = HV = 16, K = V = 128, bf16, forward alone): kda (apply 1.26x
+# the register file at C = 64, 0.63x at 32) took 2.91 ms at 64 and 1.90 ms at 32; gla (output
+# 1.13x / 0.53x) 1.20 and 1.02 ms; gdn (output 0.88x) is as fast or faster at 64 (1.21 vs 1.24
+# ms at 4 x 4096 with HV = 32, 2.12 vs 2.70 ms at 1 x 65536).
+FORWARD_PRESSURE_TOLERANCE = 1.1
+PRESSURE_HEAD_DIM = 128  # the head dimension the estimate assumes (K = V)
+CHUNK_SIZE_CHOICES = (64, 32, 16)
+PRECISION_OPERAND_BYTES = {"input": 2, "tf32": 4}  # the estimate assumes 16-bit inputs
+
+
+def backward_chunk_sizes(backward: ChunkPlans, largest_sizes: dict) -> dict[str, int]:
+    """Per precision, the largest chunk size at which every backward kernel's live tiles
+    (pressure.peak_tile_bytes) stay within BACKWARD_PRESSURE_TOLERANCE x its program's register
+    file, at most the module's largest (largest_sizes: its LARGEST_CHUNK_SIZE)."""
+    prog, plan = backward.graph.program, backward.plans[0]
+    return {precision: _largest_fitting_registers(prog, plan, largest_sizes[precision, False], precision,
+                                                  BACKWARD_PRESSURE_TOLERANCE)
+            for precision in PRECISION_OPERAND_BYTES}
+
+
+def forward_chunk_sizes(forward: ChunkPlans, largest_sizes: dict) -> dict[tuple[str, str], int]:
+    """Per (plan, precision), the chunk size chunk() runs at where the call gives none: the largest
+    at which every kernel of the plan stays within FORWARD_PRESSURE_TOLERANCE x its registers, at
+    most the module's largest."""
+    prog = forward.graph.program
+    return {(plan.name, precision): _largest_fitting_registers(prog, plan, largest_sizes[precision, False], precision,
+                                                               FORWARD_PRESSURE_TOLERANCE)
+            for plan in forward.plans for precision in PRECISION_OPERAND_BYTES}
+
+
+def _largest_fitting_registers(prog: ChunkProgram, plan: Plan, largest: int, precision: str, tolerance: float) -> int:
+    """The largest of CHUNK_SIZE_CHOICES up to largest (at K = PRESSURE_HEAD_DIM, what the estimate
+    assumes) whose kernels fit tolerance x their registers; the smallest if none does."""
+    fits = [c for c in CHUNK_SIZE_CHOICES if c <= largest and _fits_registers(prog, plan, c, precision, tolerance)]
+    return fits[0] if fits else CHUNK_SIZE_CHOICES[-1]
+
+
+def _fits_registers(prog: ChunkProgram, plan: Plan, chunk: int, precision: str, tolerance: float) -> bool:
+    for kernel in plan.kernels:
+        if kernel.kind == "scan":  # its tiles do not grow with the chunk size: the state is K x BV
+            continue
+        role = ("bwd_" if prog.direction == "backward" else "") + kernel.name
+        launch = dict(CHUNK_LAUNCH[role], **(CHUNK_LAUNCH_FP32.get(role, {}) if precision == "tf32" else {}))
+        peak = peak_tile_bytes(KernelContext(prog, plan, kernel), chunk, PRESSURE_HEAD_DIM, launch["BV"],
+                               PRECISION_OPERAND_BYTES[precision])
+        if peak > tolerance * launch["num_warps"] * REGISTER_FILE_BYTES_PER_WARP:
+            return False
+    return True
