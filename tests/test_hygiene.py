@@ -21,8 +21,6 @@ import torch
 import lrdsl
 from lrdsl.codegen.names import reserved_input_name
 from lrdsl.errors import SpecError
-
-ROOT = Path(__file__).resolve().parent.parent
 from lrdsl.ir.chunk import NoChunkForm
 from lrdsl.ir.step import Formula as StepFormula
 from lrdsl.passes.pipeline import run_pipeline
@@ -32,6 +30,8 @@ from lrdsl.workloads import TOLERANCE, Shape
 
 from helpers import ALL_SPECS, spec_path
 from oracle_checks import Call, assert_errors, oracle_errors
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BATCHES = 6  # the names are spread over this many specs
 LIMIT = TOLERANCE[torch.float32]

@@ -25,7 +25,6 @@ from .schedule import readers
 
 
 BLOCK_DIMS = {"C": "BT", "K": "BK", "V": "BV"}
-SOLVE_BLOCK = 16  # the triangular solve works on 16 x 16 blocks
 
 
 def var(name: str) -> str:

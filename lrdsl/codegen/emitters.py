@@ -33,7 +33,6 @@ from ..ir.recurrence import InputRole
 from ..registry import TypeRegistry
 from .context import (
     COTANGENT_POINTER,
-    SOLVE_BLOCK,
     KernelContext,
     buffer_address,
     buffer_param,
@@ -51,6 +50,7 @@ from .templating import render
 
 
 CHUNK_EMITTERS = TypeRegistry("chunk kernel emitter", CompileError)
+SOLVE_BLOCK = 16  # the triangular solve works on 16 x 16 blocks
 
 
 @CHUNK_EMITTERS.register(Load)
