@@ -58,7 +58,7 @@ def _gradients(name, case, generator, kernel="chunk", per_head_checked=True, **o
     rec, tensors, h0, cu = _inputs(name, case, generator)
     shape = case["shape"]
     d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).cuda()
-    d_ht = torch.randn_like(h0)
+    d_ht = torch.randn(h0.shape, generator=generator).cuda()  # seeded: --seed replays it
     kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     leaves = [t.detach().clone().requires_grad_() for t in tensors] + [h0.detach().clone().requires_grad_()]
     o, ht = getattr(module(name), kernel)(*leaves[:-1], initial_state=leaves[-1], **kwargs, **options)
@@ -91,7 +91,7 @@ def test_gpu_recurrent_bf16(name, generator):
 @pytest.mark.parametrize("name, chunk_size", CHUNK_CONFIGS)
 def test_gpu_chunk_gradients_bf16(name, plan, chunk_size, generator):
     """Default precision (matmul operands in bf16). Gradients of per-head parameters (A_log,
-    dt_bias) are sums over every token whose bf16 rounding partly cancels: measured up to ~1e-2
+    dt_bias) are sums over every token whose bf16 rounding partly cancels: measured up to ~3e-2
     here (reported, see BENCHMARKS.md); they are asserted in precision="tf32" below."""
     _gradients(name, GRAD_DENSE, generator, per_head_checked=False, plan=plan, chunk_size=chunk_size)
     _gradients(name, GRAD_VARLEN, generator, per_head_checked=False, plan=plan, chunk_size=chunk_size)
@@ -100,9 +100,11 @@ def test_gpu_chunk_gradients_bf16(name, plan, chunk_size, generator):
 @pytest.mark.parametrize("name", CHUNKED)
 def test_gpu_chunk_gradients_default_chunk_sizes(name, generator):
     """chunk_size left to lrdsl: the forward at FORWARD_CHUNK_SIZE, the backward (recomputing)
-    at BACKWARD_CHUNK_SIZE, with its own launch settings (CHUNK_LAUNCH_SMALL_CHUNK)."""
-    _gradients(name, GRAD_DENSE, generator)
-    _gradients(name, GRAD_VARLEN, generator)
+    at BACKWARD_CHUNK_SIZE, with its own launch settings (CHUNK_LAUNCH_SMALL_CHUNK). Default
+    precision, so per-head parameter gradients are reported, not asserted, as in
+    test_gpu_chunk_gradients_bf16 (kda_fused_gate's A_log: 1e-3 to 2.9e-2 over random d_ht)."""
+    _gradients(name, GRAD_DENSE, generator, per_head_checked=False)
+    _gradients(name, GRAD_VARLEN, generator, per_head_checked=False)
 
 
 @pytest.mark.parametrize("plan", ["fused", "split"])

@@ -128,7 +128,7 @@ def test_gpu_extremes_bf16(name, extreme, generator):
     if not hasattr(mod, "chunk"):
         return  # key-channel gates: no chunk form, no gradients yet
     d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).bfloat16()  # as the kernels take it
-    d_ht = torch.randn_like(h0)
+    d_ht = torch.randn(h0.shape, generator=generator)  # seeded: --seed replays it
     refs = [t.double().cuda().requires_grad_() for t in (*tensors, h0)]
     ref_o, ref_ht = reference.run(rec, *refs[:-1], initial_state=refs[-1], cu_seqlens=cu, **kwargs)
     ref_grads = torch.autograd.grad((ref_o, ref_ht), refs, (d_o.double().cuda(), d_ht.double().cuda()))

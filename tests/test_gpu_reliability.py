@@ -83,7 +83,7 @@ def test_two_gpus_tensors_on_the_second_while_the_first_is_current(name, generat
     tensors = sample(rec, shape, torch.bfloat16, generator)
     h0 = torch.randn(shape.B, shape.HV, shape.K, shape.V, generator=generator)
     d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).bfloat16()  # as the kernels take it
-    d_ht = torch.randn_like(h0)
+    d_ht = torch.randn(h0.shape, generator=generator)  # seeded: --seed replays it
     chunked = hasattr(mod, "chunk")
     expected = _oracle(rec, tensors, h0, d_o if chunked else None, d_ht, use_qk_l2norm_in_kernel=True)
     second = [t.to("cuda:1") for t in (*tensors, h0, d_o, d_ht)]
@@ -143,9 +143,9 @@ def test_two_gpus_mixed_devices_are_one_clear_error(generator):
         with pytest.raises(mod.InputError, match=rf"^gdn\.{kernel}: initial_state is on cuda:1 but q is on cuda:0$"):
             getattr(mod, kernel)(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 16, 16, device="cuda:1"))
     kernels = layer_kernels()
-    x = torch.randn(1, 8, 16, device="cuda:0")
+    x = torch.zeros(1, 8, 16, device="cuda:0")  # only the device matters here
     with pytest.raises(kernels.InputError, match=r"^short_conv: weight is on cuda:1 but x is on cuda:0" + one_device):
-        kernels.short_conv(x, torch.randn(16, 4, device="cuda:1"))
+        kernels.short_conv(x, torch.zeros(16, 4, device="cuda:1"))
 
 
 # -- grids past 65,535 sequences x value heads -------------------------------------------------
@@ -254,7 +254,7 @@ def test_wide_inputs_default_to_a_chunk_size_that_fits(dtype, K, generator):
     tensors = [t.cuda() for t in sample(rec, shape, dtype, generator)]
     h0 = torch.randn(1, 2, K, K, generator=generator, dtype=dtype).cuda()
     d_o = torch.randn(1, 100, 2, K, generator=generator, dtype=dtype).cuda()
-    d_ht = torch.randn_like(h0)
+    d_ht = torch.randn(h0.shape, generator=generator, dtype=dtype).cuda()  # seeded: --seed replays it
     expected = _oracle(rec, tensors, h0, d_o, d_ht, use_qk_l2norm_in_kernel=True)
     for kernel in ("chunk", "recurrent"):
         got = _run(mod, kernel, tensors, h0, d_o, d_ht, use_qk_l2norm_in_kernel=True)

@@ -192,3 +192,18 @@ def test_a_printed_seed_replays_a_test():
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "[seed 12345]" in run.stdout
+
+
+# random tensors drawn from torch's global generator: the printed seed would not replay them
+_UNSEEDED = re.compile(r"torch\.(randn|rand|randint)_like\(|torch\.(randn|rand|randint|randperm)\((?![^\n]*generator=)")
+
+
+def test_gpu_tests_draw_every_random_tensor_from_the_seeded_generator():
+    """A GPU test that fails prints its seed; `--seed N` must rebuild every input it used (the
+    d_ht of the gradient tests once came from the global generator, and a failure could not be
+    replayed)."""
+    unseeded = [f"{path.name}:{number}: {line.strip()}"
+                for path in sorted((ROOT / "tests").glob("test_gpu*.py"))
+                for number, line in enumerate(path.read_text().splitlines(), 1)
+                if _UNSEEDED.search(line)]
+    assert unseeded == [], "\n".join(unseeded)
