@@ -268,6 +268,35 @@ def test_chunk_gradients_of_in_kernel_formulas(name, generator, device):
     assert set(names) <= set(errors)
 
 
+@pytest.mark.parametrize("name", ["gdn", "kda", "simple_gla"])
+def test_boundary_states_reach_the_gate_gradient_at_full_precision(name, generator, device):
+    """bf16 inputs (fp32 gates): one-token sequences with an initial state and a final-state
+    gradient, where nothing is written (beta = 0; v = 0 without a delta rule) and o gets no
+    gradient. Each token's gate gradient is then exactly its decay times <h0, d_ht>, summed over
+    the state (over V, per key channel, for key-channel gates). The backward's entry-state and
+    d_H_next buffers hold bf16, which would round both tiles of that sum (about 3e-3 relative
+    error, more where the gradient cancels); the kernels read h0 and d_ht themselves at a
+    sequence's first and last chunk, so only fp32 accumulation remains."""
+    rec, mod = recurrence(name), module(name)
+    shape, bounds = Shape(1, 4, 1, 2, 64, 64), [0, 1, 2, 3, 4]
+    tensors = sample(rec, shape, torch.bfloat16, generator, beta=0.0 if rec.beta is not None else None)
+    if rec.beta is None:
+        tensors[2] = torch.zeros_like(tensors[2])
+    h0 = torch.randn(4, shape.HV, shape.K, shape.V, generator=generator)
+    d_ht = torch.randn(4, shape.HV, shape.K, shape.V, generator=generator)
+    d_o = torch.zeros(1, 4, shape.HV, shape.V)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    gate = ["q", "k", "v", *(i.name for i in rec.inputs)].index(direct_input(rec, rec.log_decay))
+
+    leaves = [t.to(device).requires_grad_() for t in tensors]
+    o, ht = mod.chunk(*leaves, initial_state=h0.to(device), output_final_state=True, cu_seqlens=cu.to(device), chunk_size=16)
+    (d_gate,) = torch.autograd.grad((o, ht), leaves[gate], (d_o.to(device, o.dtype), d_ht.to(device)))
+    refs = [t.double().requires_grad_() for t in tensors]
+    ref_o, ref_ht = reference.run(rec, *refs, initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)
+    (ref_d_gate,) = torch.autograd.grad((ref_o, ref_ht), refs[gate], (d_o.double(), d_ht.double()))
+    assert relative_error(d_gate, ref_d_gate) <= 1e-4, relative_error(d_gate, ref_d_gate)
+
+
 @pytest.mark.parametrize("gate", [0.0, -30.0, "half"])
 @pytest.mark.parametrize("name, chunk_size", [("gdn", 16), ("simple_gla", 16), ("kda", 16), ("gla", 16), ("kda", 64), ("gla", 64)])
 def test_gradients_at_gate_extremes(name, chunk_size, gate, generator, device):

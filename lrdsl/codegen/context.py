@@ -94,6 +94,33 @@ class KernelContext:
         """The ops of this kernel that read `value`."""
         return [self.prog.op(v) for v in readers(self, value)]
 
+    def boundary_state(self, value: str) -> tuple[str, str] | None:
+        """(kernel parameter, the test on the chunk) where `value` is a state-sized tile
+        a formula reads in a chunk kernel of the backward, and a full-precision copy of it exists
+        at a sequence boundary: the forward's entry states (its only state-sized buffer, in the
+        inputs' dtype) begin with the initial state itself at the sequence's first chunk, and the
+        backward's entry states d_H_next with d_final at its last. Formulas read those there: a
+        sum over the state like <H, d_H_next> (a scalar gate's gradient) would otherwise round
+        both tiles, which for a one-token sequence with a given initial state and final-state
+        gradient costs its gate gradient 1.5e-2 of relative error in bf16 (matmuls keep reading
+        the buffer: their operands are 16-bit anyway)."""
+        if self.prog.direction != "backward" or self.kernel.kind != "chunk" or self.shape(value) != ("K", "V"):
+            return None
+        if not any(isinstance(op, Formula) and not is_copy(op) for op in self.readers(value)):
+            return None
+        op = self.prog.op(value)
+        if isinstance(op, Load) and op.source.startswith(SAVED):
+            return "initial_state", "i_t == 0"
+        if value == self.prog.state_in:
+            return "d_final", "i_t == tl.cdiv(eos - bos, BT) - 1"
+        return None
+
+    def boundary_states(self) -> list[str]:
+        """The kernel parameters boundary_state gives this kernel's values (launcher locals too)."""
+        boundaries = (self.boundary_state(v) for v in set(self.kernel.computes) | set(self.kernel.loads))
+        params = {boundary[0] for boundary in boundaries if boundary}
+        return [p for p in BOUNDARY_PARAMS if p in params]
+
     def load_dtype(self, value: str) -> str | None:
         """The register dtype a loaded value gets: DOT_DTYPE when only matmuls read it here (a
         16-bit operand stays 16-bit: half the registers, no round trip through fp32); None (its
@@ -136,10 +163,46 @@ class KernelContext:
 STORAGE_DTYPE_SOURCES = ("q", "k", "v", COTANGENT)
 
 
+# The full-precision sources of KernelContext.boundary_state (kernel parameters, launcher locals,
+# in parameter order): the constexpr saying the call passed one, and where it applies.
+BOUNDARY_PARAMS = {
+    "initial_state": ("USE_INITIAL_STATE", "the sequence's first chunk enters with the initial state"),
+    "d_final": ("USE_FINAL_STATE_GRADIENT", "the sequence's last chunk leaves with the final state's gradient"),
+}
+
+
+def boundary_flags(params: list[str]) -> list[str]:
+    return [BOUNDARY_PARAMS[p][0] for p in params]
+
+
+def exact_var(value: str) -> str:
+    """The register of a boundary-state value as formulas read it (outside the b_ namespace)."""
+    return f"exact_{value}"
+
+
 def read_in_acc(ctx: KernelContext, value: str) -> str:
     """A value as an elementwise formula reads it: in ACC (converted where it is held in its
     storage dtype)."""
     return f"{var(value)}.to(ACC)" if ctx.in_storage_dtype(value) else var(value)
+
+
+def emit_boundary_state(value: str, ctx: KernelContext) -> list[str]:
+    """A boundary-state value's ACC copy for a formula reading it, from the call's full-precision
+    tensor at the boundary chunk (that load is masked off at the other chunks)."""
+    boundary = ctx.boundary_state(value)
+    if boundary is None:
+        return []
+    pointer, at = boundary
+    flag, why = BOUNDARY_PARAMS[pointer]
+    exact = exact_var(value)
+    mask = "m_k[:, None] & m_v[None, :] & at_boundary"
+    return [
+        f"# {value} as formulas read it, in ACC: {why}, read from it at full precision",
+        f"{exact} = {read_in_acc(ctx, value)}",
+        f"if {flag}:",
+        f"    at_boundary = {at}",
+        f"    {exact} = tl.where(at_boundary, _load_state({pointer}, i_n.to(tl.int64), i_hv, o_k, o_v, {mask}, HV, K, V, STATE_V_FIRST, ACC), {exact})",
+    ]
 
 
 def is_copy(op) -> bool:

@@ -21,6 +21,7 @@ from ..ir.plan import Kernel, Plan
 from .context import (
     COTANGENT_POINTER,
     KernelContext,
+    boundary_flags,
     buffer_address,
     buffer_param,
     emit_buffer_load,
@@ -74,7 +75,7 @@ def kernel_results(ctx: KernelContext) -> list[tuple[str, str]]:
 
 def kernel_params(ctx: KernelContext) -> list[str]:
     params = kernel_inputs(ctx) + kernel_saved(ctx) + [buffer_param(b) for b in kernel_buffers(ctx)]
-    return params + [result_param(role) for role, _ in kernel_results(ctx)]
+    return params + [result_param(role) for role, _ in kernel_results(ctx)] + ctx.boundary_states()
 
 
 
@@ -269,4 +270,5 @@ def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
         )
     body = "\n".join(emit_chunk_body(ctx))
     return render("chunk_kernel.py.jinja", **common, key_head_programs=bool(key_head_results(ctx)), body=body,
-                  chunk_matrices=ctx.chunk_matrix_source() is not None, solves=ctx.solves())
+                  chunk_matrices=ctx.chunk_matrix_source() is not None, solves=ctx.solves(),
+                  boundary_flags=boundary_flags(ctx.boundary_states()))
