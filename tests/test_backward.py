@@ -268,6 +268,35 @@ def test_chunk_gradients_of_in_kernel_formulas(name, generator, device):
     assert set(names) <= set(errors)
 
 
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_an_output_the_loss_does_not_read_gets_no_gradient_tensor(kernel, generator, device, monkeypatch):
+    """output_final_state=True with a loss reading o only, then the final state only: the unread
+    output's gradient reaches the backward as None (not a state-sized tensor of zeros for the
+    reverse scan to load), and every gradient matches the float64 oracle's."""
+    rec, mod = recurrence("gdn"), module("gdn")
+    shape, bounds = Shape(1, 40, 1, 2, 16, 16), [0, 1, 25, 40]
+    tensors = sample(rec, shape, torch.float32, generator)
+    h0 = torch.randn(3, shape.HV, shape.K, shape.V, generator=generator)
+    d_o = torch.randn(1, 40, shape.HV, shape.V, generator=generator)
+    d_ht = torch.randn(h0.shape, generator=generator)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    finals = []
+    backward = mod._chunk_backward
+    monkeypatch.setattr(mod, "_chunk_backward", lambda *a: finals.append(a[-2]) or backward(*a))
+    for reads_o in (True, False):
+        leaves = [t.to(device).requires_grad_() for t in (*tensors, h0)]
+        o, ht = getattr(mod, kernel)(*leaves[:-1], initial_state=leaves[-1], output_final_state=True, cu_seqlens=cu.to(device))
+        got = torch.autograd.grad(o if reads_o else ht, leaves, (d_o if reads_o else d_ht).to(device), allow_unused=True)
+        refs = [t.double().requires_grad_() for t in (*tensors, h0)]
+        ref_o, ref_ht = reference.run(rec, *refs[:-1], initial_state=refs[-1], output_final_state=True, cu_seqlens=cu)
+        # the final state does not depend on q: its gradient is zero (None from the oracle)
+        expected = torch.autograd.grad(ref_o if reads_o else ref_ht, refs, (d_o if reads_o else d_ht).double(),
+                                       materialize_grads=True)
+        errors = [relative_error(torch.zeros_like(b) if a is None else a, b) for a, b in zip(got, expected)]
+        assert max(errors) <= GRAD_LIMIT, (reads_o, errors)
+    assert finals[0] is None and finals[1] is not None
+
+
 @pytest.mark.parametrize("name", ["gdn", "kda", "simple_gla"])
 def test_boundary_states_reach_the_gate_gradient_at_full_precision(name, generator, device):
     """bf16 inputs (fp32 gates): one-token sequences with an initial state and a final-state
