@@ -175,34 +175,19 @@ def boundary_flags(params: list[str]) -> list[str]:
     return [BOUNDARY_PARAMS[p][0] for p in params]
 
 
-def exact_var(value: str) -> str:
-    """The register of a boundary-state value as formulas read it (outside the b_ namespace)."""
-    return f"exact_{value}"
-
-
 def read_in_acc(ctx: KernelContext, value: str) -> str:
     """A value as an elementwise formula reads it: in ACC (converted where it is held in its
     storage dtype)."""
     return f"{var(value)}.to(ACC)" if ctx.in_storage_dtype(value) else var(value)
 
 
-def emit_boundary_state(value: str, ctx: KernelContext) -> list[str]:
-    """A boundary-state value's ACC copy for a formula reading it, from the call's full-precision
-    tensor at the boundary chunk (that load is masked off at the other chunks)."""
-    boundary = ctx.boundary_state(value)
-    if boundary is None:
-        return []
-    pointer, at = boundary
-    flag, why = BOUNDARY_PARAMS[pointer]
-    exact = exact_var(value)
-    mask = "m_k[:, None] & m_v[None, :] & at_boundary"
-    return [
-        f"# {value} as formulas read it, in ACC: {why}, read from it at full precision",
-        f"{exact} = {read_in_acc(ctx, value)}",
-        f"if {flag}:",
-        f"    at_boundary = {at}",
-        f"    {exact} = tl.where(at_boundary, _load_state({pointer}, i_n.to(tl.int64), i_hv, o_k, o_v, {mask}, HV, K, V, STATE_V_FIRST, ACC), {exact})",
-    ]
+def boundary_read(value: str, ctx: KernelContext) -> str:
+    """A boundary-state value as a formula reads it: in ACC, from the call's full-precision tensor
+    at the boundary chunk (_state_at_boundary; that load is masked off at the other chunks)."""
+    pointer, at = ctx.boundary_state(value)
+    flag, _ = BOUNDARY_PARAMS[pointer]
+    return (f"_state_at_boundary({var(value)}, {pointer}, {at}, i_n, i_hv, o_k, o_v, m_k[:, None] & m_v[None, :], "
+            f"{flag}, HV, K, V, STATE_V_FIRST, ACC)")
 
 
 def is_copy(op) -> bool:

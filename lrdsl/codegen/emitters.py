@@ -34,11 +34,10 @@ from ..registry import TypeRegistry
 from .context import (
     COTANGENT_POINTER,
     KernelContext,
+    boundary_read,
     buffer_address,
     buffer_param,
-    emit_boundary_state,
     emit_buffer_load,
-    exact_var,
     is_copy,
     load_line,
     read_in_acc,
@@ -130,17 +129,13 @@ def _normalize(op: Normalize, ctx: KernelContext) -> list[str]:
 def _formula(op: Formula, ctx: KernelContext) -> list[str]:
     if is_copy(op):  # a copy of a tile held in its storage dtype keeps that dtype
         return [f"{var(op.out)} = {var(op.args()[0])}"]
-    # a state tile with a full-precision source at a sequence boundary is read from it there; its
-    # ACC copy is made right here, where the formula reads it (not at its load: held from there,
-    # an ACC state tile would take registers through every op in between)
-    boundary = [a for a in op.args() if ctx.boundary_state(a)]
-    lines = [line for a in boundary for line in emit_boundary_state(a, ctx)]
-    names = {a: exact_var(a) if a in boundary else read_in_acc(ctx, a) for a in op.args()}
+    # a state tile with a full-precision source at a sequence boundary is read from it there
+    names = {a: boundary_read(a, ctx) if ctx.boundary_state(a) else read_in_acc(ctx, a) for a in op.args()}
     text = to_triton(op.expr, names)
     arg_shapes = {ctx.shape(a) for a in op.args()}
     if op.shape and arg_shapes <= {()}:  # only scalars read: spread the value over the tile
         text = f"tl.zeros({ctx.block(op.shape)}, dtype=ACC) + ({text})"
-    return lines + [f"{var(op.out)} = {text}"]
+    return [f"{var(op.out)} = {text}"]
 
 
 @CHUNK_EMITTERS.register(MaskRows)
