@@ -186,7 +186,7 @@ def boundary_read(value: str, ctx: KernelContext) -> str:
     at the boundary chunk (_state_at_boundary; that load is masked off at the other chunks)."""
     pointer, at = ctx.boundary_state(value)
     flag, _ = BOUNDARY_PARAMS[pointer]
-    return (f"_state_at_boundary({var(value)}, {pointer}, {at}, i_n, i_hv, o_k, o_v, m_k[:, None] & m_v[None, :], "
+    return (f"_state_at_boundary({read_in_acc(ctx, value)}, {pointer}, {at}, i_n, i_hv, o_k, o_v, m_k[:, None] & m_v[None, :], "
             f"{flag}, HV, K, V, STATE_V_FIRST, ACC)")
 
 
