@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..errors import CompileError
 from ..ir.chunk import ChunkProgram
 from ..ir.plan import BackwardPlan, Plan
-from .context import KernelContext, boundary_flags, buffer_param, result_param
+from .context import KernelContext, boundary_launch, buffer_param, result_param
 from .emitters import KEY_CHANNEL_HELPERS, uses_key_channel_helpers
 from .kernels import (
     emit_kernel,
@@ -69,10 +69,7 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 chunk_matrix_source=ctx.chunk_matrix_source(),
                 solves=ctx.solves(),
                 boundary_states=ctx.boundary_states(),
-                # the constexprs of those: whether the call passed each one, and the state layout
-                boundary_launch="".join(f"{flag}={param} is not None, " for param, flag in
-                                        zip(ctx.boundary_states(), boundary_flags(ctx.boundary_states())))
-                + 'STATE_V_FIRST=c["state_v_first"],',
+                boundary_launch=boundary_launch(ctx.boundary_states()),
                 # a kernel that stores no buffer is needed only for the results it writes
                 results=[] if kernel.stores else [result_param(role) for role, _ in kernel_results(ctx)],
             )

@@ -175,6 +175,13 @@ def boundary_flags(params: list[str]) -> list[str]:
     return [BOUNDARY_PARAMS[p][0] for p in params]
 
 
+def boundary_launch(params: list[str]) -> str:
+    """The launch keywords of boundary_flags(params): whether the call passed each tensor, and the
+    states' layout."""
+    return "".join(f"{flag}={param} is not None, " for param, flag in zip(params, boundary_flags(params))) + \
+        'STATE_V_FIRST=c["state_v_first"],'
+
+
 def read_in_acc(ctx: KernelContext, value: str) -> str:
     """A value as an elementwise formula reads it: in ACC (converted where it is held in its
     storage dtype)."""
