@@ -114,6 +114,25 @@ def test_gpu_chunk_gradients_tf32(name, plan, generator):
     _gradients(name, GRAD_VARLEN, generator, plan=plan, precision="tf32")
 
 
+# one long sequence per batch row on one value head pair: the scans' programs are few, so
+# _scan_segments cuts the sequences into segments (with segments of at least 2 chunks here)
+SEGMENTED = dict(shape=Shape(2, 1100, 1, 2, 128, 128))
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_gpu_segmented_scans(name, generator, monkeypatch):
+    """The scans in segments (each segment's map, the maps chained, each segment re-run from its
+    entry state) match the float64 oracle, forward and backward, with an initial state and d_ht."""
+    mod = module(name)
+    chosen = []
+    choose = mod._scan_segments
+    monkeypatch.setattr(mod, "SCAN_SEGMENT_MIN_CHUNKS", 2)
+    monkeypatch.setattr(mod, "_scan_segments", lambda c, BV: chosen.append(choose(c, BV)) or chosen[-1])
+    _forward(name, "chunk", SEGMENTED, generator)
+    _gradients(name, SEGMENTED, generator, per_head_checked=False)
+    assert min(chosen) > 1, chosen  # every scan (forward, its re-run, backward) ran in segments
+
+
 @pytest.mark.parametrize("save_policy", ["save_solve", "save_prepare", "save"])
 def test_gpu_save_policies(save_policy, generator):
     _gradients("gdn", GRAD_VARLEN, generator, save_policy=save_policy)

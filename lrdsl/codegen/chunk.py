@@ -32,6 +32,7 @@ from .launch import (
     largest_chunk_sizes,
 )
 from .names import CHUNK_OPTIONS, forward_options, input_pointer, signature
+from .segments import segment_refusal
 from .templating import render
 
 
@@ -70,6 +71,8 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 solves=ctx.solves(),
                 boundary_states=ctx.boundary_states(),
                 boundary_launch=boundary_launch(ctx.boundary_states()),
+                segmentable=kernel.kind == "scan" and segment_refusal(prog, kernel) is None,
+                segment_refusal=segment_refusal(prog, kernel) if kernel.kind == "scan" else None,
                 # a kernel that stores no buffer is needed only for the results it writes
                 results=[] if kernel.stores else [result_param(role) for role, _ in kernel_results(ctx)],
             )

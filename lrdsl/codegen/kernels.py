@@ -80,7 +80,8 @@ def kernel_params(ctx: KernelContext) -> list[str]:
 
 
 def _op_lines(ctx: KernelContext, value: str) -> list[str]:
-    """An op's lines: a comment with its formula, its code, then its stores."""
+    """An op's lines: a comment with its formula, its code, then its stores (in a scan, only where
+    it is not computing a segment's transition, which writes nothing per chunk)."""
     op: ChunkOp = ctx.prog.op(value)
     lines = [f"# {value} = {op.describe()}"]
     eager_terms = [t for t, (total, _) in ctx.eager.items() if total == value]
@@ -94,16 +95,19 @@ def _op_lines(ctx: KernelContext, value: str) -> list[str]:
     if value in ctx.eager:
         total, starts = ctx.eager[value]
         lines.append(f"{var(total)} {'=' if starts else '+='} {var(value)}  # running sum {total}")
+    writes = []
     if ctx.stored_here(value) and not isinstance(op, UnitLowerInverse):  # a solve stores its own result
-        lines.extend(emit_buffer_store(value, ctx))
+        writes.extend(emit_buffer_store(value, ctx))
     for role, result in ctx.prog.results:
         if result != value:
             continue
         if is_key_head_result(role):
-            lines.append(f"{group_sum_var(role)} += {var(value)}")
+            writes.append(f"{group_sum_var(role)} += {var(value)}")
         else:
-            lines.extend(emit_result_store(role, value, ctx))
-    return lines
+            writes.extend(emit_result_store(role, value, ctx))
+    if writes and ctx.kernel.kind == "scan":
+        writes = ["if not TRANSITION:", *("    " + line for line in writes)]
+    return lines + writes
 
 
 # q and k have one head per group of HV // H value heads (GVA): their gradients sum over the group.

@@ -1,0 +1,132 @@
+"""Segmented scans: the check on the chunk IR that a scan is an affine map of its state
+(lrdsl/codegen/segments.py), and the scans run in segments (the chunk section's _scan) against
+the float64 oracle, forward and backward, on the interpreter at small sizes."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import sympy
+import torch
+
+from lrdsl.codegen.segments import segment_refusal
+from lrdsl.ir.chunk import Formula, MatMul
+from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.spec import load_spec
+from lrdsl.workloads import Shape
+
+from lrdsl import reference
+from lrdsl.workloads import relative_error
+
+from helpers import ALL_SPECS, CORE_SPECS, TOLERANCE, module, recurrence, run_case, sample, spec_path
+from test_backward import CHUNKED, assert_gradients, gradient_errors
+
+
+def scans(name):
+    """(program, scan kernel) of the forward's and the backward's plans."""
+    stages = run_pipeline(load_spec(spec_path(name)))
+    for stage in ("plan", "backward_plan"):
+        item = stages[stage]
+        for plan in item.plans:
+            for kernel in plan.kernels:
+                if kernel.kind == "scan":
+                    yield item.graph.program, kernel
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_every_shipped_scan_is_segmentable(name):
+    found = list(scans(name))
+    assert len(found) >= 2  # the forward's (one per plan) and the backward's
+    for prog, kernel in found:
+        assert segment_refusal(prog, kernel) is None, (prog.direction, kernel.name)
+
+
+def with_op(prog, value, op):
+    """`prog` with the op computing `value` replaced."""
+    return dataclasses.replace(prog, ops=tuple(op if o.out == value else o for o in prog.ops))
+
+
+def test_a_scan_that_is_not_affine_in_its_state_is_refused():
+    prog, kernel = next(scans("gdn"))
+    H, KtVn, G = sympy.symbols("H KtVn G_last")
+    squared = with_op(prog, "H_next", Formula("H_next", ("K", "V"), 2**G * H * H + KtVn))
+    assert "not linear in H" in segment_refusal(squared, kernel)
+    shifted = with_op(prog, "H_next", Formula("H_next", ("K", "V"), 2**G * H + KtVn + G))
+    assert "depends on neither the state nor a V-axis input" in segment_refusal(shifted, kernel)
+    product = with_op(prog, "KtVn", MatMul("KtVn", ("K", "V"), "WH", "Vn", transpose_a=True))
+    assert "multiplies two tiles that depend on the state" in segment_refusal(product, kernel)
+    assert segment_refusal(prog, kernel) is None
+
+
+def force_segments(monkeypatch, mod):
+    """Segments at interpreter sizes: as many multiprocessors as a GPU's, segments of 2 chunks;
+    returns the list that collects every scan's choice."""
+    chosen = []
+    choose = mod._scan_segments
+    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 132)
+    monkeypatch.setattr(mod, "SCAN_SEGMENT_MIN_CHUNKS", 2)
+    monkeypatch.setattr(mod, "_scan_segments", lambda c, BV: chosen.append(choose(c, BV)) or chosen[-1])
+    return chosen
+
+
+# K, V not powers of two: the map's K identity columns share a value block with the last values
+SEGMENTED = dict(shape=Shape(2, 150, 1, 2, 20, 24), dtype=torch.float32, h0=True, l2norm=True)
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_segmented_scans_forward(name, generator, device, monkeypatch):
+    mod = module(name)
+    chosen = force_segments(monkeypatch, mod)
+    run_case(mod, recurrence(name), "chunk", SEGMENTED, generator, device, chunk_size=16)
+    assert chosen and min(chosen) > 1, chosen
+
+
+@pytest.mark.parametrize("name", CORE_SPECS + ("rwkv7",))
+def test_segmented_scans_gradients(name, generator, device, monkeypatch):
+    chosen = force_segments(monkeypatch, module(name))
+    case = dict(shape=SEGMENTED["shape"], h0=True, dht=True, l2norm=True)
+    assert_gradients(gradient_errors(name, case, generator, device, chunk_size=16), f"{name} segmented")
+    assert len(chosen) == 3 and min(chosen) > 1, chosen  # the forward's scan, its re-run and the backward's
+
+
+def test_segmented_scans_keep_the_state_layout(generator, device, monkeypatch):
+    """state_v_first: the initial and final states [N, HV, V, K] go through the segments' combine."""
+    mod, rec = module("gdn"), recurrence("gdn")
+    chosen = force_segments(monkeypatch, mod)
+    shape = Shape(2, 100, 2, 2, 16, 32)
+    tensors = sample(rec, shape, torch.float32, generator)
+    h0 = torch.randn(2, 2, 16, 32, generator=generator)
+    o, ht = mod.chunk(*[t.to(device) for t in tensors], initial_state=h0.transpose(-1, -2).contiguous().to(device),
+                      output_final_state=True, state_v_first=True, chunk_size=16)
+    ref_o, ref_ht = reference.run(rec, *tensors, initial_state=h0, output_final_state=True)
+    assert min(chosen) > 1, chosen
+    assert relative_error(o.cpu(), ref_o) <= TOLERANCE[torch.float32]
+    assert relative_error(ht.transpose(-1, -2).cpu(), ref_ht) <= TOLERANCE[torch.float32]
+
+
+def test_short_sequences_are_not_segmented(generator, device, monkeypatch):
+    mod = module("gdn")
+    chosen = force_segments(monkeypatch, mod)
+    case = dict(shape=Shape(1, 40, 1, 1, 16, 16), dtype=torch.float32, h0=True)
+    run_case(mod, recurrence("gdn"), "chunk", case, generator, device, chunk_size=16)
+    assert chosen == [1]  # 3 chunks: not two segments of 2 chunks each
+
+
+def test_segmented_scans_prefill_a_state_pool(generator, device, monkeypatch):
+    """A prefill into a pool: rows 2 and 0 read and written through the segments' combine, row 1
+    untouched, a padding slot (-1) touching no row and giving zeros."""
+    mod, rec = module("gdn"), recurrence("gdn")
+    chosen = force_segments(monkeypatch, mod)
+    shape = Shape(3, 70, 1, 2, 16, 16)
+    tensors = sample(rec, shape, torch.float32, generator)
+    pool = torch.randn(3, 2, 16, 16, generator=generator)
+    indices = torch.tensor([2, -1, 0], dtype=torch.int32)
+    out_pool = pool.clone().to(device)
+    o, _ = mod.chunk(*[t.to(device) for t in tensors], state_pool=out_pool, state_indices=indices.to(device), chunk_size=16)
+    assert min(chosen) > 1, chosen
+    live = [0, 2]
+    ref_o, ref_ht = reference.run(rec, *[t[live] for t in tensors], initial_state=pool[[2, 0]], output_final_state=True)
+    assert relative_error(o[live].cpu(), ref_o) <= TOLERANCE[torch.float32]
+    assert torch.all(o[1] == 0)
+    assert relative_error(out_pool[[2, 0]].cpu(), ref_ht) <= TOLERANCE[torch.float32]
+    assert torch.equal(out_pool[1].cpu(), pool[1])
