@@ -13,7 +13,7 @@ import torch
 from lrdsl import reference
 from lrdsl.workloads import TOLERANCE, Shape, relative_error
 
-from helpers import ALL_SPECS, module, recurrence, sample
+from helpers import ALL_SPECS, direct_input, module, recurrence, sample
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def report(**row):
 def _inputs(name, case, generator, dtype=torch.bfloat16):
     rec = recurrence(name)
     shape, bounds = case["shape"], case.get("bounds")
-    tensors = [t.cuda() for t in sample(rec, shape, dtype, generator, normalize_keys=False)]
+    tensors = [t.cuda() for t in sample(rec, shape, dtype, generator, gate=case.get("gate"), normalize_keys=False)]
     N = len(bounds) - 1 if bounds else shape.B
     h0 = torch.randn(N, shape.HV, shape.K, shape.V, generator=generator).cuda()
     cu = torch.tensor(bounds, dtype=torch.int32).cuda() if bounds else None
@@ -115,7 +115,8 @@ def test_gpu_chunk_gradients_tf32(name, plan, generator):
 
 
 # one long sequence per batch row on one value head pair: the scans' programs are few, so
-# _scan_segments cuts the sequences into segments (with segments of at least 2 chunks here)
+# _scan_segments cuts the sequences into segments (with segments of at least 2 chunks here); a
+# log-decay near 0 where the spec reads one, or a segment's map would decay to nothing unchecked
 SEGMENTED = dict(shape=Shape(2, 1100, 1, 2, 128, 128))
 
 
@@ -128,8 +129,10 @@ def test_gpu_segmented_scans(name, generator, monkeypatch):
     choose = mod._scan_segments
     monkeypatch.setattr(mod, "SCAN_SEGMENT_MIN_CHUNKS", 2)
     monkeypatch.setattr(mod, "_scan_segments", lambda c, BV: chosen.append(choose(c, BV)) or chosen[-1])
-    _forward(name, "chunk", SEGMENTED, generator)
-    _gradients(name, SEGMENTED, generator, per_head_checked=False)
+    rec = recurrence(name)
+    case = dict(SEGMENTED, gate=-0.01 if direct_input(rec, rec.log_decay) else None)
+    _forward(name, "chunk", case, generator)
+    _gradients(name, case, generator, per_head_checked=False)
     assert min(chosen) > 1, chosen  # every scan (forward, its re-run, backward) ran in segments
 
 
