@@ -9,6 +9,7 @@ import pytest
 import sympy
 import torch
 
+from lrdsl.codegen.chunk import _calls, _launcher
 from lrdsl.codegen.segments import segment_refusal
 from lrdsl.ir.chunk import Formula, MatMul
 from lrdsl.passes.pipeline import run_pipeline
@@ -46,16 +47,37 @@ def with_op(prog, value, op):
     return dataclasses.replace(prog, ops=tuple(op if o.out == value else o for o in prog.ops))
 
 
+H, KtVn, G_LAST = sympy.symbols("H KtVn G_last")
+
+
+def squared_state(prog):
+    """gdn's forward program with a state update quadratic in the state."""
+    return with_op(prog, "H_next", Formula("H_next", ("K", "V"), 2**G_LAST * H * H + KtVn))
+
+
 def test_a_scan_that_is_not_affine_in_its_state_is_refused():
     prog, kernel = next(scans("gdn"))
-    H, KtVn, G = sympy.symbols("H KtVn G_last")
-    squared = with_op(prog, "H_next", Formula("H_next", ("K", "V"), 2**G * H * H + KtVn))
-    assert "not linear in H" in segment_refusal(squared, kernel)
-    shifted = with_op(prog, "H_next", Formula("H_next", ("K", "V"), 2**G * H + KtVn + G))
+    assert "not linear in H" in segment_refusal(squared_state(prog), kernel)
+    shifted = with_op(prog, "H_next", Formula("H_next", ("K", "V"), 2**G_LAST * H + KtVn + G_LAST))
     assert "depends on neither the state nor a V-axis input" in segment_refusal(shifted, kernel)
     product = with_op(prog, "KtVn", MatMul("KtVn", ("K", "V"), "WH", "Vn", transpose_a=True))
     assert "multiplies two tiles that depend on the state" in segment_refusal(product, kernel)
     assert segment_refusal(prog, kernel) is None
+
+
+def test_a_refused_scan_runs_whole_sequences_and_says_why():
+    """The launcher of a scan that is not affine passes segmentable=False and a comment names the
+    op that breaks it."""
+    stages = run_pipeline(load_spec(spec_path("gdn")))
+    plan = stages["plan"].plans[0]
+    prog = stages["plan"].graph.program
+    squared = squared_state(prog)
+    scan = next(call for call in _calls(squared, plan) if call["kind"] == "scan")
+    assert scan["segmentable"] is False and "not linear in H" in scan["segment_refusal"]
+    assert "segmentable=False" in _launcher(squared, plan)
+    assert "# never segmented: H_next = " in _launcher(squared, plan)
+    scan = next(call for call in _calls(prog, plan) if call["kind"] == "scan")
+    assert scan["segmentable"] is True and scan["segment_refusal"] is None
 
 
 def force_segments(monkeypatch, mod):

@@ -58,6 +58,7 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
     calls = []
     for kernel in plan.kernels:
         ctx = KernelContext(prog, plan, kernel)
+        refusal = segment_refusal(prog, kernel) if kernel.kind == "scan" else None
         calls.append(
             dict(
                 kind=kernel.kind,
@@ -71,8 +72,9 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 solves=ctx.solves(),
                 boundary_states=ctx.boundary_states(),
                 boundary_launch=boundary_launch(ctx.boundary_states()),
-                segmentable=kernel.kind == "scan" and segment_refusal(prog, kernel) is None,
-                segment_refusal=segment_refusal(prog, kernel) if kernel.kind == "scan" else None,
+                # a scan runs in segments where that pays, unless it is not an affine map of its state
+                segmentable=kernel.kind == "scan" and refusal is None,
+                segment_refusal=refusal,
                 # a kernel that stores no buffer is needed only for the results it writes
                 results=[] if kernel.stores else [result_param(role) for role, _ in kernel_results(ctx)],
             )
