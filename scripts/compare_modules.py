@@ -9,10 +9,12 @@ commits or codegen choices); every one runs on the same inputs, and its outputs 
     python scripts/compare_modules.py --mods 'mods/*.py' --fla [--backward] [--profile 4x4096x16x32]
         [--oracle NAME]    # also: every plan and chunk size of module NAME vs the float64 oracle
         [--sweep 'NAME@4x4096x16x32:scan=32,4,3;...']   # launch settings of one role, one at a time
+        [--vary 'NAME@1x65536x2x8:SCAN_PROGRAMS_PER_MULTIPROCESSOR=8,SCAN_COMBINE_BV=16;...']
+                                                 # module constants of one module, one variant per item
 
 Results go to $OUT/perf.json (or /tmp) and a summary table.
 """
-import argparse, importlib.util, json, os, sys, time, glob
+import argparse, ast, importlib.util, json, os, sys, time, glob
 import torch, triton, triton.testing
 
 sys.path.insert(0, os.getcwd())
@@ -30,6 +32,7 @@ p.add_argument("--backward", action="store_true")
 p.add_argument("--fla", action="store_true")
 p.add_argument("--profile", default="")
 p.add_argument("--sweep", default="")  # role=BV,warps,stages;... variants on the first module
+p.add_argument("--vary", default="")  # NAME@SHAPE:CONST=VALUE,...;... module-constant variants
 p.add_argument("--oracle", default="")  # comma list of module names
 p.add_argument("--precision", default="input")  # lrdsl modules' precision= (FLA has none)
 args = p.parse_args()
@@ -140,6 +143,26 @@ for s in args.shapes.split(","):
             m.CHUNK_LAUNCH[role] = saved
             for table, setting in zip(overrides, popped):
                 table[role] = setting
+    for item in filter(None, args.vary.split(";")):
+        where, assignments = item.split(":", 1)
+        name, shape_sel = where.split("@")
+        if shape_sel != s or lost_context:
+            continue
+        m = mods[name]
+        values = {key: ast.literal_eval(value) for key, value in (a.split("=", 1) for a in assignments.split(","))}
+        saved = {key: getattr(m, key) for key in values}  # an unknown constant is an AttributeError here
+        for key, value in values.items():
+            setattr(m, key, value)
+        try:
+            ms, peak, cold, out = timeit(lambda: run(m.chunk, leaves, d_o, args.backward))
+            diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
+            rec_row(kind="vary", shape=s, mod=name, set=assignments, ms=round(ms, 4), peak=round(peak), diff=diff)
+        except Exception as e:
+            if "CUDA error" in str(e):
+                lost_context = f"{name} {assignments}"
+            rec_row(kind="vary", shape=s, mod=name, set=assignments, error=str(e)[:200])
+        for key, value in saved.items():
+            setattr(m, key, value)
     if lost_context:
         break
     if args.profile and s in args.profile.split("+"):
