@@ -9,8 +9,9 @@ commits or codegen choices); every one runs on the same inputs, and its outputs 
     python scripts/compare_modules.py --mods 'mods/*.py' --fla [--backward] [--profile 4x4096x16x32]
         [--oracle NAME]    # also: every plan and chunk size of module NAME vs the float64 oracle
         [--sweep 'NAME@4x4096x16x32:scan=32,4,3;...']   # launch settings of one role, one at a time
-        [--vary 'NAME@1x65536x2x8:SCAN_PROGRAMS_PER_MULTIPROCESSOR=8,SCAN_COMBINE_BV=16;...']
-                                                 # module constants of one module, one variant per item
+        [--vary 'NAME@1x65536x2x8:SCAN_PROGRAMS_PER_MULTIPROCESSOR=8&SCAN_COMBINE_BV=16;...']
+                                                 # module constants of one module (Python literals,
+                                                 # joined by &), one variant per item
 
 Results go to $OUT/perf.json (or /tmp) and a summary table.
 """
@@ -32,7 +33,7 @@ p.add_argument("--backward", action="store_true")
 p.add_argument("--fla", action="store_true")
 p.add_argument("--profile", default="")
 p.add_argument("--sweep", default="")  # role=BV,warps,stages;... variants on the first module
-p.add_argument("--vary", default="")  # NAME@SHAPE:CONST=VALUE,...;... module-constant variants
+p.add_argument("--vary", default="")  # NAME@SHAPE:CONST=VALUE&...;... module-constant variants
 p.add_argument("--oracle", default="")  # comma list of module names
 p.add_argument("--precision", default="input")  # lrdsl modules' precision= (FLA has none)
 args = p.parse_args()
@@ -149,7 +150,7 @@ for s in args.shapes.split(","):
         if shape_sel != s or lost_context:
             continue
         m = mods[name]
-        values = {key: ast.literal_eval(value) for key, value in (a.split("=", 1) for a in assignments.split(","))}
+        values = {key: ast.literal_eval(value) for key, value in (a.split("=", 1) for a in assignments.split("&"))}
         saved = {key: getattr(m, key) for key in values}  # an unknown constant is an AttributeError here
         for key, value in values.items():
             setattr(m, key, value)
