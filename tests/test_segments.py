@@ -154,12 +154,16 @@ def test_segmented_scans_of_packed_sequences(name, generator, device, monkeypatc
     assert len(chosen) == 3 and all(chosen), chosen
 
 
-def test_short_sequences_are_not_segmented(generator, device, monkeypatch):
+def test_short_sequences_and_wide_keys_are_not_segmented(generator, device, monkeypatch):
     mod = module("gdn")
     chosen = force_segments(monkeypatch, mod)
     case = dict(shape=Shape(1, 40, 1, 1, 16, 16), dtype=torch.float32, h0=True)
     run_case(mod, recurrence("gdn"), "chunk", case, generator, device, chunk_size=16)
     assert chosen == [0]  # 3 chunks: fewer than two segments of 2 chunks
+    chosen.clear()
+    wide = dict(shape=Shape(1, 100, 1, 1, 160, 16), dtype=torch.float32)
+    run_case(mod, recurrence("gdn"), "chunk", wide, generator, device, chunk_size=16)
+    assert chosen == [0]  # K > 128: the combine's K x K maps would not fit its registers
 
 
 def test_segmented_scans_prefill_a_state_pool(generator, device, monkeypatch):
