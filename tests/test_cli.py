@@ -4,7 +4,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import shlex
 import subprocess
 import sys
 import textwrap
