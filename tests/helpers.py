@@ -131,3 +131,15 @@ def run_case(mod, rec, kernel, case: dict, generator, device, gate=None, beta=No
     else:
         assert ht is None
     return errors
+
+
+def force_segments(monkeypatch, mod, multiprocessors=132):
+    """A module's scans in segments of 2 chunks wherever its rule allows them, with as many
+    multiprocessors as an H200 (the interpreter reports none); returns the list that collects
+    every scan's choice (chunks per segment, 0: not segmented)."""
+    chosen = []
+    choose = mod._scan_segments
+    monkeypatch.setattr(mod, "_multiprocessors", lambda q: multiprocessors)
+    monkeypatch.setattr(mod, "SCAN_SEGMENT_MIN_CHUNKS", 2)
+    monkeypatch.setattr(mod, "_scan_segments", lambda c, BV: chosen.append(choose(c, BV)) or chosen[-1])
+    return chosen

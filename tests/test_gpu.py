@@ -13,7 +13,7 @@ import torch
 from lrdsl import reference
 from lrdsl.workloads import TOLERANCE, Shape, relative_error
 
-from helpers import ALL_SPECS, direct_input, module, recurrence, sample
+from helpers import ALL_SPECS, direct_input, force_segments, module, recurrence, sample
 
 pytestmark = pytest.mark.gpu
 
@@ -127,10 +127,7 @@ def test_gpu_segmented_scans(name, generator, monkeypatch):
     entry state) match the float64 oracle, forward and backward, with an initial state and d_ht,
     fixed-length and packed (an empty sequence, one token, two long ones)."""
     mod = module(name)
-    chosen = []
-    choose = mod._scan_segments
-    monkeypatch.setattr(mod, "SCAN_SEGMENT_MIN_CHUNKS", 2)
-    monkeypatch.setattr(mod, "_scan_segments", lambda c, BV: chosen.append(choose(c, BV)) or chosen[-1])
+    chosen = force_segments(monkeypatch, mod, multiprocessors=mod._multiprocessors(torch.empty(0, device="cuda")))
     rec = recurrence(name)
     gate = -0.01 if direct_input(rec, rec.log_decay) else None
     for case in (dict(SEGMENTED, gate=gate), dict(SEGMENTED_VARLEN, gate=gate)):

@@ -19,7 +19,8 @@ from lrdsl.workloads import Shape
 from lrdsl import reference
 from lrdsl.workloads import relative_error
 
-from helpers import ALL_SPECS, CORE_SPECS, TOLERANCE, direct_input, module, recurrence, run_case, sample, spec_path
+from helpers import (ALL_SPECS, CORE_SPECS, TOLERANCE, direct_input, force_segments, module, recurrence, run_case, sample,
+                     spec_path)
 from test_backward import CHUNKED, assert_gradients, gradient_errors
 
 
@@ -78,17 +79,6 @@ def test_a_refused_scan_runs_whole_sequences_and_says_why():
     assert "# never segmented: H_next = " in _launcher(squared, plan)
     scan = next(call for call in _calls(prog, plan) if call["kind"] == "scan")
     assert scan["segmentable"] is True and scan["segment_refusal"] is None
-
-
-def force_segments(monkeypatch, mod):
-    """Segments at interpreter sizes: as many multiprocessors as a GPU's, segments of 2 chunks;
-    returns the list that collects every scan's choice (chunks per segment, 0: not segmented)."""
-    chosen = []
-    choose = mod._scan_segments
-    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 132)
-    monkeypatch.setattr(mod, "SCAN_SEGMENT_MIN_CHUNKS", 2)
-    monkeypatch.setattr(mod, "_scan_segments", lambda c, BV: chosen.append(choose(c, BV)) or chosen[-1])
-    return chosen
 
 
 # K, V not powers of two: the map's K identity columns share a value block with the last values

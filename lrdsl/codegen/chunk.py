@@ -59,6 +59,7 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
     for kernel in plan.kernels:
         ctx = KernelContext(prog, plan, kernel)
         refusal = segment_refusal(prog, kernel) if kernel.kind == "scan" else None
+        summed_by_key_head = [result_param(role) for role, _ in key_head_results(ctx)]
         calls.append(
             dict(
                 kind=kernel.kind,
@@ -74,10 +75,9 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 boundary_launch=boundary_launch(ctx.boundary_states()),
                 # a kernel summing q/k gradients over a key head's value heads also comes as a variant
                 # with a program per value head (GVA_GRADIENTS_BY_VALUE_HEAD)
-                value_head_function=kernel_function_name(prog, kernel, by_value_head=True) if key_head_results(ctx) else None,
-                key_head_results=[result_param(role) for role, _ in key_head_results(ctx)],
-                value_head_args=", ".join(f"{p}_per_head" if p in {result_param(r) for r, _ in key_head_results(ctx)} else p
-                                          for p in kernel_params(ctx)),
+                value_head_function=kernel_function_name(prog, kernel, by_value_head=True) if summed_by_key_head else None,
+                key_head_results=summed_by_key_head,
+                value_head_args=", ".join(f"{p}_per_head" if p in summed_by_key_head else p for p in kernel_params(ctx)),
                 # a scan runs in segments where that pays, unless it is not an affine map of its state
                 segmentable=kernel.kind == "scan" and refusal is None,
                 segment_refusal=refusal,

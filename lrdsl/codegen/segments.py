@@ -14,7 +14,7 @@ three steps (`_scan` in the chunk section):
      of S matmuls, storing every segment's entry state and the final state;
   3. every segment at once re-runs from its entry state, storing its per-chunk buffers.
 This module decides, on the chunk IR and op by op, whether a scan kernel is such an affine map.
-A scan that is not is never segmented (the module says why in its table of scans).
+A scan that is not is never segmented (its launcher says why in a comment).
 """
 from __future__ import annotations
 
