@@ -394,25 +394,6 @@ def test_gva_q_k_gradients_sum_in_the_kernel(generator, device):
     assert tensors[0].grad.shape == tensors[1].grad.shape == (B, T, H, K)
 
 
-@pytest.mark.parametrize("case", ["gva2_varlen_empty_len1", "gva3_l2norm_no_h0"])
-@pytest.mark.parametrize("name", ["gdn", "kda", "deltanet", "rwkv7"])
-def test_gva_gradients_by_value_head(name, case, generator, device, monkeypatch):
-    """GVA_GRADIENTS_BY_VALUE_HEAD: one program per (chunk, value head), each storing its q/k
-    gradients, summed over each key head's group after the kernel: the oracle's gradients, with
-    two more [B, T, HV, K] tensors (those per-value-head gradients) than the default allocates."""
-    mod, shape = module(name), GRAD_CASES[case]["shape"]
-
-    def run(by_value_head):
-        monkeypatch.setattr(mod, "GVA_GRADIENTS_BY_VALUE_HEAD", by_value_head)
-        with _RecordAllocations() as recorded:
-            errors = gradient_errors(name, GRAD_CASES[case], generator, device, chunk_size=16)
-        return errors, recorded.shapes.count((shape.B, shape.T, shape.HV, shape.K))
-
-    errors, per_value_head = run(True)
-    assert_gradients(errors, f"{name} {case} by value head")
-    assert per_value_head == run(False)[1] + 2
-
-
 def test_policies_give_identical_gradients(generator, device):
     rec, mod = recurrence("deltanet"), module("deltanet")
     tensors = sample(rec, Shape(1, 30, 1, 2, 16, 16), torch.float32, generator)

@@ -136,15 +136,6 @@ def test_gpu_segmented_scans(name, generator, monkeypatch):
     assert all(chosen), chosen  # every scan (forward, its re-run, backward) ran in segments
 
 
-@pytest.mark.parametrize("name", ["gdn", "gdn_qwen35", "kda", "rwkv7"])
-def test_gpu_gva_gradients_by_value_head(name, generator, monkeypatch):
-    """GVA_GRADIENTS_BY_VALUE_HEAD (a program per value head, the q/k gradients summed over each
-    group after the kernel) against the float64 oracle, default chunk sizes."""
-    monkeypatch.setattr(module(name), "GVA_GRADIENTS_BY_VALUE_HEAD", True)
-    _gradients(name, GRAD_DENSE, generator, per_head_checked=False)
-    _gradients(name, GRAD_VARLEN, generator, per_head_checked=False)
-
-
 @pytest.mark.parametrize("save_policy", ["save_solve", "save_prepare", "save"])
 def test_gpu_save_policies(save_policy, generator):
     _gradients("gdn", GRAD_VARLEN, generator, save_policy=save_policy)

@@ -59,7 +59,6 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
     for kernel in plan.kernels:
         ctx = KernelContext(prog, plan, kernel)
         refusal = segment_refusal(prog, kernel) if kernel.kind == "scan" else None
-        summed_by_key_head = [result_param(role) for role, _ in key_head_results(ctx)]
         calls.append(
             dict(
                 kind=kernel.kind,
@@ -73,11 +72,6 @@ def _calls(prog: ChunkProgram, plan: Plan) -> list[dict]:
                 solves=ctx.solves(),
                 boundary_states=ctx.boundary_states(),
                 boundary_launch=boundary_launch(ctx.boundary_states()),
-                # a kernel summing q/k gradients over a key head's value heads also comes as a variant
-                # with a program per value head (GVA_GRADIENTS_BY_VALUE_HEAD)
-                value_head_function=kernel_function_name(prog, kernel, by_value_head=True) if summed_by_key_head else None,
-                key_head_results=summed_by_key_head,
-                value_head_args=", ".join(f"{p}_per_head" if p in summed_by_key_head else p for p in kernel_params(ctx)),
                 # a scan runs in segments where that pays, unless it is not an affine map of its state
                 segmentable=kernel.kind == "scan" and refusal is None,
                 segment_refusal=refusal,
@@ -181,12 +175,10 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
     programs = [(prog, p) for p in plans.plans] + [(item.backward.graph.program, item.backward.plans[0])]
     for program, plan in programs:
         for kernel in plan.kernels:
-            variants = [False, True] if key_head_results(KernelContext(program, plan, kernel)) else [False]
-            for by_value_head in variants:
-                source = emit_kernel(program, plan, kernel, by_value_head)
-                name = kernel_function_name(program, kernel, by_value_head)
-                if kernels.setdefault(name, source) != source:
-                    raise CompileError(f"two plans define kernel {name} differently")
+            source = emit_kernel(program, plan, kernel)
+            name = kernel_function_name(program, kernel)
+            if kernels.setdefault(name, source) != source:
+                raise CompileError(f"two plans define kernel {name} differently")
     first = kernel_function_name(prog, plans.plans[0].kernels[0])
     save_policies = {
         policy.name: {"kept": dict(policy.kept), "rerun": dict(policy.rerun), "any_chunk_size": dict(policy.any_chunk_size),

@@ -55,9 +55,6 @@ class KernelContext:
     prog: ChunkProgram
     plan: Plan
     kernel: Kernel
-    # the variant of a kernel that writes q/k gradients with one program per value head, each
-    # storing its own (the launcher sums them over the key head's group), instead of one per key head
-    by_value_head: bool = False
     accumulators: frozenset = frozenset()  # values summed over the V loop: `+=` instead of `=`
     eager: dict = field(default_factory=dict)  # term -> (sum, starts it): schedule.eager_sums
 

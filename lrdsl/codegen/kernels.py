@@ -101,7 +101,7 @@ def _op_lines(ctx: KernelContext, value: str) -> list[str]:
     for role, result in ctx.prog.results:
         if result != value:
             continue
-        if is_key_head_result(role) and not ctx.by_value_head:
+        if is_key_head_result(role):
             writes.append(f"{group_sum_var(role)} += {var(value)}")
         else:
             writes.extend(emit_result_store(role, value, ctx))
@@ -123,10 +123,7 @@ def group_sum_var(role: str) -> str:
 
 
 def key_head_results(ctx: KernelContext) -> list[tuple[str, str]]:
-    """(role, value) of the q/k gradients a kernel writes: it then runs one program per key head
-    (not its by-value-head variant, whose value heads each store their own)."""
-    if ctx.by_value_head:
-        return []
+    """(role, value) of the q/k gradients a kernel writes: it then runs one program per key head."""
     return [(role, value) for role, value in kernel_results(ctx) if is_key_head_result(role)]
 
 
@@ -241,10 +238,9 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
     return wrap_in_group_loop(ctx, body) if key_head_results(ctx) else body
 
 
-def kernel_function_name(prog: ChunkProgram, kernel: Kernel, by_value_head: bool = False) -> str:
+def kernel_function_name(prog: ChunkProgram, kernel: Kernel) -> str:
     direction = "_bwd" if prog.direction == "backward" else ""
-    variant = "_by_value_head" if by_value_head else ""
-    return f"{prog.recurrence.name}_chunk{direction}_{kernel.name}{variant}_kernel"
+    return f"{prog.recurrence.name}_chunk{direction}_{kernel.name}_kernel"
 
 
 KERNEL_DOCS = {
@@ -257,13 +253,11 @@ KERNEL_DOCS = {
 }
 
 
-def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel, by_value_head: bool = False) -> str:
-    """A kernel's source; by_value_head: the variant of a kernel that writes q/k gradients with
-    one program per value head, storing them per value head (GVA_GRADIENTS_BY_VALUE_HEAD)."""
-    ctx = KernelContext(prog, plan, kernel, by_value_head=by_value_head)
+def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
+    ctx = KernelContext(prog, plan, kernel)
     backward = prog.direction == "backward"
     common = dict(
-        kernel_name=kernel_function_name(prog, kernel, by_value_head),
+        kernel_name=kernel_function_name(prog, kernel),
         params=", ".join(kernel_params(ctx)),
         doc=f"{KERNEL_DOCS[kernel.name]} of `{prog.recurrence.name}`{' (backward)' if backward else ''}.",
         computes=", ".join(kernel.computes),
@@ -280,6 +274,5 @@ def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel, by_value_head: b
         )
     body = "\n".join(emit_chunk_body(ctx))
     return render("chunk_kernel.py.jinja", **common, key_head_programs=bool(key_head_results(ctx)), body=body,
-                  by_value_head=by_value_head,
                   chunk_matrices=ctx.chunk_matrix_source() is not None, solves=ctx.solves(),
                   boundary_flags=boundary_flags(ctx.boundary_states()))
