@@ -116,7 +116,7 @@ for s in args.shapes.split(","):
         rec_row(kind="time", shape=s, impl=name, bwd=args.backward, ms=round(ms, 4), peak=round(peak), cold=round(cold, 1),
                 diff=diff, finite=all(torch.isfinite(x).all().item() for x in out))
     if args.sweep:
-        for item in args.sweep.split(";"):
+        for item in filter(None, args.sweep.split(";")):
             where, rest = item.split(":")
             name, shape_sel = where.split("@")
             if shape_sel != s:
@@ -180,7 +180,10 @@ for s in args.shapes.split(","):
                     if t > 0:
                         table[e.key[:60]] = round(t / 3 / 1000, 4)
             top = sorted(table.items(), key=lambda kv: -kv[1])[:14]
-            rec_row(kind="profile", shape=s, impl=name, kernels_ms=top)
+            # the last call's kernels in launch order, to tell a kernel's forward run from its re-run
+            kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+            calls = [(e.name[:40], round(e.time_range.elapsed_us() / 1000, 4)) for e in kernels[len(kernels) * 2 // 3:]]
+            rec_row(kind="profile", shape=s, impl=name, kernels_ms=top, calls=calls)
     torch.cuda.empty_cache()
 
 json.dump(results, open(os.path.join(OUT, "perf.json"), "w"), indent=1)

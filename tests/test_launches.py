@@ -211,6 +211,29 @@ def test_backward_output_widens_its_value_blocks_only_where_that_was_measured_to
     assert columns("gdn", 64) == columns("gdn", 32, torch.float32) == columns("gla", 32) == 64
 
 
+def test_apply_takes_every_value_column_only_at_the_largest_chunk_of_a_scalar_gate(monkeypatch):
+    """apply runs all 128 value columns in one block at C = 64 for 16-bit inputs (measured on the
+    H200 for gdn), 64 below it (the backward's re-run), for wide operands, and for a spec with
+    per-key-channel decayed products (kda, rwkv7: not measured there)."""
+    def columns(name, BT, **options):
+        return _launch(monkeypatch, name, "apply", N=4, HV=32, BT=BT, **options)["BV"]
+
+    assert columns("gdn", 64) == columns("deltanet", 64) == 128
+    assert columns("gdn", 32) == columns("gdn", 64, dtype=torch.float32) == columns("gdn", 64, K=256) == 64
+    assert columns("kda", 64) == columns("kda", 32) == columns("rwkv7", 32) == 64
+
+
+def test_scan_at_a_smaller_chunk_takes_a_third_stage_unless_it_has_few_programs(monkeypatch):
+    """Below the largest chunk size (the backward's re-run of the forward scan) the scan pipelines
+    three stages; with few programs their own setting (32 columns, 4 stages) still applies; a
+    key-channel spec's scan keeps its settings."""
+    many = _launch(monkeypatch, "gdn", "scan", N=4, HV=32, BT=32)
+    few = _launch(monkeypatch, "gdn", "scan", N=1, HV=32, BT=32)
+    assert (many["BV"], many["num_stages"]) == (64, 3)
+    assert (few["BV"], few["num_stages"]) == (32, 4)
+    assert _launch(monkeypatch, "kda", "scan", N=4, HV=32, BT=32)["num_stages"] == 2
+
+
 def test_wide_operands_keep_the_scan_settings_they_were_checked_with(monkeypatch):
     """fp32 inputs, precision="tf32" and K > 128 take twice the shared memory per tile: the scan
     keeps 32 value columns and 2 stages there, whatever the programs."""

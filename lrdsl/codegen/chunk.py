@@ -19,6 +19,7 @@ from .kernels import (
 )
 from .launch import (
     CHUNK_LAUNCH,
+    CHUNK_LAUNCH_KEY_CHANNEL,
     CHUNK_LAUNCH_FEW_PROGRAMS,
     CHUNK_LAUNCH_FEWER_PROGRAMS,
     CHUNK_LAUNCH_FP32,
@@ -194,7 +195,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         default_plan=plans.default,
         plan_doc=[f"  {p.name}: {p.summary}: {' -> '.join(k.name for k in p.kernels)}" for p in plans.plans]
         + [f"  backward: {' -> '.join(k.name for k in item.backward.plans[0].kernels)} (the scan in reverse)"],
-        launch=repr(CHUNK_LAUNCH),
+        launch=repr(CHUNK_LAUNCH_KEY_CHANNEL if backward_key_channel_products(item) else CHUNK_LAUNCH),
         launch_wide=repr(CHUNK_LAUNCH_WIDE_K),
         launch_fp32=repr(CHUNK_LAUNCH_FP32),
         launch_wide_inputs=repr(CHUNK_LAUNCH_WIDE_INPUTS),

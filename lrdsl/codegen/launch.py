@@ -21,9 +21,13 @@ CHUNK_LAUNCH = {
     # register shuffles, with no shared memory or barrier between warps (H200, 4 x 4096: the
     # forward 1.337 -> 1.167 ms against 4 warps)
     "solve": {"BV": 64, "num_warps": 1, "num_stages": 2},
-    # apply and output: a third stage hides their tile loads (H200, gdn forward 1.214 -> 1.192 ms
-    # each at 4 x 4096, 2.140 -> 2.127 / 2.109 ms at 1 x 65536)
-    "apply": {"BV": 64, "num_warps": 4, "num_stages": 3},
+    # apply: every value column in one block (one U = T @ (V * beta) product per chunk instead of
+    # two, the solved system's tile reused): H200, gdn forward 1.057 -> 1.020 ms at 4 x 4096 and
+    # 2.294 -> 2.225 ms at 1 x 32768 against 64 columns in 3 stages (C = 64; at C = 32, below, 64
+    # columns stay: the backward's re-run gained nothing from 128)
+    "apply": {"BV": 128, "num_warps": 4, "num_stages": 2},
+    # output: a third stage hides its tile loads (H200, gdn forward 1.214 -> 1.192 ms at 4 x 4096,
+    # 2.140 -> 2.109 ms at 1 x 65536)
     # the scans: 64 value columns per program where that still gives every multiprocessor a
     # program (CHUNK_LAUNCH_FEW_PROGRAMS below otherwise): each chunk's keys and W are read once
     # for twice the columns (gdn forward at 4 x 4096: 1.214 -> 1.147 ms; forward + backward with
@@ -34,6 +38,9 @@ CHUNK_LAUNCH = {
     "bwd_scan": {"BV": 64, "num_warps": 4, "num_stages": 3},
     "bwd_output": {"BV": 64, "num_warps": 8, "num_stages": 1},
 }
+# Programs with per-key-channel decayed products (their C x K operand tiles on top of apply's)
+# keep apply's former setting, the one they were measured with.
+CHUNK_LAUNCH_KEY_CHANNEL = {**CHUNK_LAUNCH, "apply": {"BV": 64, "num_warps": 4, "num_stages": 3}}
 # Smaller settings where the backward's output kernel holds larger tiles, else it runs out of
 # shared memory: K > 128 key channels (bf16 operands), or fp32 operands (precision="tf32").
 # The forward output kernel keeps 32 columns and 2 stages: with BK = 256, BV = 32 and one stage it
@@ -41,7 +48,7 @@ CHUNK_LAUNCH = {
 # The scans, apply and output keep there the settings they were checked with (32 value columns,
 # 2 stages): the wider or deeper ones above were measured at K = 128 with 16-bit operands only.
 _CHECKED_WIDE = {"scan": {"BV": 32, "num_stages": 2}, "bwd_scan": {"BV": 32, "num_stages": 2},
-                 "apply": {"num_stages": 2}, "output": {"num_stages": 2}}
+                 "apply": {"BV": 64, "num_stages": 2}, "output": {"num_stages": 2}}
 CHUNK_LAUNCH_WIDE_K = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
 CHUNK_LAUNCH_FP32 = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
 # fp32 and fp64 inputs multiply in their own width whatever the precision: their tiles take twice
@@ -114,9 +121,17 @@ CHUNK_LAUNCH_FEWER_PROGRAMS = {"scan": {"BV": 16}, "bwd_scan": {"BV": 16}}
 #    the scan's 64 columns. Each alone gained 4-13 %.
 #    Not where the kernel computes per-key-channel decayed products (their C x K operand tiles
 #    come on top): gla's forward + backward took 5.654 ms at 128 columns, 5.353 at 64.
+#  - apply keeps 64 value columns in 3 stages (128 columns in 2, the C = 64 setting above, left
+#    gdn's forward + backward unchanged: the re-run at C = 32 lost what the forward gained);
+#  - the scan takes a third stage, where it has programs enough (CHUNK_LAUNCH_FEW_PROGRAMS, applied
+#    after this table, still decides where it has few): gdn forward + backward at 4 x 4096 4.552
+#    -> 4.475 ms, from the backward's re-run of the forward scan (at C = 64 no gain: 1.057 vs
+#    1.062 ms forward). Not for per-key-channel gates, where it was not measured.
 CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 2}, "system": {"num_warps": 2},
-                            "output": {"num_warps": 2}}
-CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**CHUNK_LAUNCH_SMALL_CHUNK, "bwd_output": {"num_stages": 2}}
+                            "output": {"num_warps": 2}, "apply": {"BV": 64, "num_stages": 3},
+                            "scan": {"num_stages": 3}}
+CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**{role: s for role, s in CHUNK_LAUNCH_SMALL_CHUNK.items() if role != "scan"},
+                                        "bwd_output": {"num_stages": 2}}
 
 # The backward recomputes the forward's buffers, or reads only the solved systems (save policies
 # "recompute", "save_solve"), and so may use its own chunk size. Its output kernel holds many
