@@ -92,6 +92,24 @@ def test_backward_symbolic_proof(name):
         assert result.entries > 0
 
 
+@pytest.mark.parametrize("name", CHUNKED)
+def test_save_states_keeps_the_entry_states_of_the_rerun_scan(name):
+    """save_states keeps what save_solve keeps, re-runs what it re-runs, and names the scan's
+    entry state (the program's StateIn) as the state its re-run starts from; no other policy
+    resumes; the verifier refuses a resumed value that is not that state."""
+    item = stages(name)["save"]
+    states, solve = item.policy("save_states"), item.policy("save_solve")
+    state_in = item.forward.graph.program.state_in
+    for plan in item.forward.plans:
+        assert states.kept_by(plan.name) == solve.kept_by(plan.name)
+        assert states.rerun_by(plan.name) == solve.rerun_by(plan.name)
+        assert states.resumed_by(plan.name) == (state_in,)
+        assert all(p.resumed_by(plan.name) == () for p in item.policies if p.name != "save_states")
+    broken = dataclasses.replace(states, resumed=tuple((p.name, ("T",)) for p in item.forward.plans))
+    with pytest.raises(IRError, match="is not the entry state"):
+        verify(dataclasses.replace(item, policies=(broken,)))
+
+
 def test_backward_golden_dumps(golden):
     st = stages("gdn")
     golden("gdn.backward.txt", st["backward"].describe() + "\n")
@@ -336,11 +354,34 @@ def test_gradients_at_gate_extremes(name, chunk_size, gate, generator, device):
 
 
 @pytest.mark.parametrize("plan", ["fused", "split"])
-@pytest.mark.parametrize("save_policy", ["recompute", "save_solve", "save_prepare", "save"])
+@pytest.mark.parametrize("save_policy", ["recompute", "save_solve", "save_prepare", "save", "save_states"])
 def test_gradients_every_plan_and_policy(plan, save_policy, generator, device):
     errors = gradient_errors("gdn", GRAD_CASES["gva1_h0_dht"], generator, device, chunk_size=16, plan=plan,
                              save_policy=save_policy)
     assert_gradients(errors, f"{plan}/{save_policy}")
+
+
+RESUMED_CASES = {
+    # the forward at C = 64, the backward at 32: runs of two chunks, the last of a sequence shorter
+    "dense_h0_dht": dict(shape=Shape(2, 150, 1, 2, 16, 24), h0=True, dht=True),
+    "packed_empty_len1": dict(shape=Shape(1, 200, 1, 2, 16, 16), h0=True, dht=True, bounds=[0, 0, 1, 130, 130, 200]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUMED_CASES))
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "rwkv7"])
+def test_save_states_resumes_the_rerun_scan_from_the_forward_states(name, case, generator, device, monkeypatch):
+    """save_states: the backward (here at half the forward's chunk size) re-runs the forward scan
+    from the entry states the forward call kept, runs of chunks side by side, and its gradients
+    match the oracle's (packed sequences, empty and one-token ones, initial states included)."""
+    mod = module(name)
+    resumed = []
+    real = mod._scan_resumed
+    monkeypatch.setattr(mod, "_scan_resumed", lambda *args: resumed.append(args[-1]) or real(*args))
+    errors = gradient_errors(name, RESUMED_CASES[case], generator, device, save_policy="save_states")
+    assert_gradients(errors, f"{name} {case} save_states")
+    forward, backward = mod.FORWARD_CHUNK_SIZE[mod.DEFAULT_CHUNK_PLAN, "input"], mod.BACKWARD_CHUNK_SIZE["input"]
+    assert resumed == [forward // backward]
 
 
 @pytest.mark.parametrize("name", ["gdn", "linear_attn", "kda", "gla"])

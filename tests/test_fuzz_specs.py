@@ -235,7 +235,7 @@ def cases(draw) -> Case:
     call = Call(Shape(B, T, H, H * group, K, V), bounds=bounds, h0=draw(st.booleans()), dht=draw(st.booleans()),
                 l2norm=draw(st.booleans()), scale=draw(st.sampled_from([None, 0.3])))
     return Case(call, draw(st.sampled_from(["chunk", "recurrent"])), draw(st.sampled_from(["split", "fused"])),
-                draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from(["recompute", "save_solve", "save_prepare", "save"])),
+                draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from(["recompute", "save_solve", "save_prepare", "save", "save_states"])),
                 draw(st.integers(0, 2**31 - 1)))
 
 

@@ -136,17 +136,19 @@ def test_gpu_segmented_scans(name, generator, monkeypatch):
     assert all(chosen), chosen  # every scan (forward, its re-run, backward) ran in segments
 
 
-@pytest.mark.parametrize("save_policy", ["save_solve", "save_prepare", "save"])
+@pytest.mark.parametrize("save_policy", ["save_solve", "save_prepare", "save", "save_states"])
 def test_gpu_save_policies(save_policy, generator):
     _gradients("gdn", GRAD_VARLEN, generator, save_policy=save_policy)
 
 
+@pytest.mark.parametrize("save_policy", ["save_solve", "save_states"])
 @pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7", "deltanet"])
-def test_gpu_save_solve_at_the_backward_chunk_size(name, generator):
+def test_gpu_save_solve_at_the_backward_chunk_size(name, save_policy, generator):
     """save_solve with chunk_size left to lrdsl: the backward at its own chunk size reads the
-    diagonal blocks of the forward's solved systems (bf16, real sizes, dense and varlen)."""
-    _gradients(name, GRAD_DENSE, generator, save_policy="save_solve")
-    _gradients(name, GRAD_VARLEN, generator, save_policy="save_solve")
+    diagonal blocks of the forward's solved systems (bf16, real sizes, dense and varlen); with
+    save_states its re-run scan also starts from the forward's kept entry states."""
+    _gradients(name, GRAD_DENSE, generator, save_policy=save_policy)
+    _gradients(name, GRAD_VARLEN, generator, save_policy=save_policy)
 
 
 @pytest.mark.parametrize("K, V", [(256, 256), (200, 136), (128, 256)])

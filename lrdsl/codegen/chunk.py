@@ -183,7 +183,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
     first = kernel_function_name(prog, plans.plans[0].kernels[0])
     save_policies = {
         policy.name: {"kept": dict(policy.kept), "rerun": dict(policy.rerun), "any_chunk_size": dict(policy.any_chunk_size),
-                      "narrowed": dict(policy.narrowed)}
+                      "narrowed": dict(policy.narrowed), "resumed": dict(policy.resumed)}
         for policy in item.policies
     }
     if uses_key_channel_helpers(prog, item.backward.graph.program):

@@ -149,6 +149,9 @@ class SavePolicy:
     any_chunk_size: tuple[tuple[str, bool], ...] = ()
     # (forward plan, kept fp32 buffers later read only as matmul operands: kept in the operand dtype)
     narrowed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # (forward plan, entry-state buffers kept from the forward call, from which the re-run scan
+    # starts each run of its chunks instead of walking whole sequences)
+    resumed: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def kept_by(self, plan: str) -> tuple[str, ...]:
         return dict(self.kept)[plan]
@@ -161,6 +164,9 @@ class SavePolicy:
 
     def narrowed_by(self, plan: str) -> tuple[str, ...]:
         return dict(self.narrowed).get(plan, ())
+
+    def resumed_by(self, plan: str) -> tuple[str, ...]:
+        return dict(self.resumed).get(plan, ())
 
 
 @dataclass(frozen=True)
@@ -190,8 +196,10 @@ class BackwardPlan:
                 size = "its own chunk size" if policy.any_chunk_size_by(plan) else "the forward's chunk size"
                 narrowed = policy.narrowed_by(plan)
                 operands = f" ({', '.join(narrowed)} in the matmul operand dtype)" if narrowed else ""
+                resumed = policy.resumed_by(plan)
+                states = f", and the entry states {', '.join(resumed)} the re-run scan starts from" if resumed else ""
                 lines.append(
-                    f"    forward plan {plan}: keep {', '.join(kept) or 'nothing'}{operands}; "
+                    f"    forward plan {plan}: keep {', '.join(kept) or 'nothing'}{operands}{states}; "
                     f"backward re-runs {', '.join(rerun) or 'nothing'}; at {size}"
                 )
         return "\n".join(lines)

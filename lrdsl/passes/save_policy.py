@@ -11,6 +11,10 @@ The choice is made per tensor from the forward's stage graph:
     save_prepare  keep what the prepare phase stores (W, U, the solved system: chunk-local, as
                   large as the inputs) and re-run only the scan for the entry states
     save          keep everything the backward reads; re-run nothing (most memory, least time)
+    save_states   save_solve, and keep the scan's entry states: the re-run scan then starts each
+                  run of its chunks that one forward chunk covers from its kept state, all of
+                  them side by side, instead of walking whole sequences (one state per forward
+                  chunk of memory kept, B * ceil(T/C) * HV * K * V values in the inputs' dtype)
 Kernels a re-run needs are re-run too, unless the buffers they read are kept.
 """
 from __future__ import annotations
@@ -44,6 +48,7 @@ POLICIES = {
     "recompute": "keep nothing from the forward; re-run the forward kernels the backward reads from",
     "save_prepare": "keep the prepare phase's buffers (chunk-local); re-run the scan for the entry states",
     "save": "keep every forward buffer the backward reads; re-run nothing",
+    "save_states": "keep the solved systems and the entry states; re-run the rest, the scan from the kept states",
 }
 
 
@@ -135,7 +140,7 @@ def _choose(plan: Plan, forward: ChunkPlans, reads: tuple[str, ...], policy: str
     phase = forward.graph.phase
     if policy == "save":
         wanted_kept = set(reads)
-    elif policy == "save_solve":
+    elif policy in ("save_solve", "save_states"):
         wanted_kept = {op.out for op in forward.graph.program.ops if isinstance(op, UnitLowerInverse)}
     elif policy == "save_prepare":
         wanted_kept = {b.value for b in plan.buffers if phase(b.value) == "prepare"}
@@ -156,6 +161,15 @@ def _choose(plan: Plan, forward: ChunkPlans, reads: tuple[str, ...], policy: str
     produced = {v for k in rerun for v in k.stores}
     kept = tuple(b.value for b in plan.buffers if b.value in used and b.value not in produced)
     return kept, rerun_names
+
+
+def _resumed(plan: Plan, forward: ChunkPlans, rerun: tuple[str, ...], policy: str) -> tuple[str, ...]:
+    """The entry-state buffers the re-run scan starts from under save_states: what the forward's
+    scan stores of the chunk's entry state (its StateIn value), when the backward re-runs it."""
+    if policy != "save_states":
+        return ()
+    entry = forward.graph.program.state_in
+    return tuple(entry for k in plan.kernels if k.kind == "scan" and k.name in rerun and entry in k.stores)
 
 
 def _any_chunk_size(plan: Plan, backward: ChunkPlans, kept: tuple[str, ...], rerun: tuple[str, ...],
@@ -219,6 +233,7 @@ def choose_saved(forward: ChunkPlans | NoChunkForm, backward: ChunkPlans | NoChu
                 tuple((p.name, rerun) for p, (_, rerun) in choices),
                 tuple((p.name, _any_chunk_size(p, backward, kept, rerun, sub_chunk)) for p, (kept, rerun) in choices),
                 tuple((p.name, _narrowed(p, backward, forward.graph.program, kept, rerun)) for p, (kept, rerun) in choices),
+                tuple((p.name, _resumed(p, forward, rerun, name)) for p, (_, rerun) in choices),
             )
         )
     return BackwardPlan(forward, backward, reads, tuple(policies))

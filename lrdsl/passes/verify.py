@@ -338,3 +338,8 @@ def verify_backward_plan(item: BackwardPlan) -> None:
                 produced |= set(kernel.stores)
             lacking = [v for v in item.reads if v not in produced]
             _require(not lacking, f"{name} policy {policy.name}, plan {plan.name}: the backward lacks {lacking}")
+            # resumed states: the entry states of a scan the backward re-runs, which the forward stores
+            scans = [k for k in plan.kernels if k.kind == "scan" and k.name in rerun]
+            for state in policy.resumed_by(plan.name):
+                _require(state == item.forward.graph.program.state_in and any(state in k.stores for k in scans),
+                         f"{name} policy {policy.name}, plan {plan.name}: {state} is not the entry state a re-run scan stores")
