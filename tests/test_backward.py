@@ -300,7 +300,8 @@ def test_an_output_the_loss_does_not_read_gets_no_gradient_tensor(kernel, genera
     cu = torch.tensor(bounds, dtype=torch.int32)
     finals = []
     backward = mod._chunk_backward
-    monkeypatch.setattr(mod, "_chunk_backward", lambda *a: finals.append(a[-2]) or backward(*a))
+    # _chunk_backward(c, plan, policy, kept, d_o, d_final, want, ...): record d_final
+    monkeypatch.setattr(mod, "_chunk_backward", lambda *a, **kw: finals.append(a[5]) or backward(*a, **kw))
     for reads_o in (True, False):
         leaves = [t.to(device).requires_grad_() for t in (*tensors, h0)]
         o, ht = getattr(mod, kernel)(*leaves[:-1], initial_state=leaves[-1], output_final_state=True, cu_seqlens=cu.to(device))
