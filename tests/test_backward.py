@@ -3,6 +3,8 @@ backward kernels against autograd through the float64 oracle (CPU interpreter)."
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -376,13 +378,23 @@ def test_save_states_resumes_the_rerun_scan_from_the_forward_states(name, case, 
     from the entry states the forward call kept, runs of chunks side by side, and its gradients
     match the oracle's (packed sequences, empty and one-token ones, initial states included)."""
     mod = module(name)
-    resumed = []
-    real = mod._scan_resumed
-    monkeypatch.setattr(mod, "_scan_resumed", lambda *args: resumed.append(args[-1]) or real(*args))
+    resumed, states, alive_in_backward_scan = [], [], []
+    real_resumed, real_scan = mod._scan_resumed, mod._scan
+    monkeypatch.setattr(mod, "_scan_resumed",
+                        lambda *args: resumed.append(args[-1]) or states.append(weakref.ref(args[-2])) or real_resumed(*args))
+
+    def scan(*args, reverse=False, **options):
+        if reverse:  # the backward's own scan, after the re-run: the kept states are released by then
+            gc.collect()
+            alive_in_backward_scan.append([ref() is not None for ref in states])
+        return real_scan(*args, reverse=reverse, **options)
+
+    monkeypatch.setattr(mod, "_scan", scan)
     errors = gradient_errors(name, RESUMED_CASES[case], generator, device, save_policy="save_states")
     assert_gradients(errors, f"{name} {case} save_states")
     forward, backward = mod.FORWARD_CHUNK_SIZE[mod.DEFAULT_CHUNK_PLAN, "input"], mod.BACKWARD_CHUNK_SIZE["input"]
     assert resumed == [forward // backward]
+    assert alive_in_backward_scan == [[False]]
 
 
 @pytest.mark.parametrize("name", ["gdn", "linear_attn", "kda", "gla"])

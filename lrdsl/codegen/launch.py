@@ -26,21 +26,23 @@ CHUNK_LAUNCH = {
     # 2.294 -> 2.225 ms at 1 x 32768 against 64 columns in 3 stages (C = 64; at C = 32, below, 64
     # columns stay: the backward's re-run gained nothing from 128)
     "apply": {"BV": 128, "num_warps": 4, "num_stages": 2},
-    # output: a third stage hides its tile loads (H200, gdn forward 1.214 -> 1.192 ms at 4 x 4096,
-    # 2.140 -> 2.109 ms at 1 x 65536)
     # the scans: 64 value columns per program where that still gives every multiprocessor a
     # program (CHUNK_LAUNCH_FEW_PROGRAMS below otherwise): each chunk's keys and W are read once
     # for twice the columns (gdn forward at 4 x 4096: 1.214 -> 1.147 ms; forward + backward with
     # the backward scan so: 6.127 -> 5.651 ms)
     "scan": {"BV": 64, "num_warps": 4, "num_stages": 2},
+    # output: a third stage hides its tile loads (H200, gdn forward 1.214 -> 1.192 ms at 4 x 4096,
+    # 2.140 -> 2.109 ms at 1 x 65536)
     "output": {"BV": 64, "num_warps": 4, "num_stages": 3},
     "bwd_prepare": {"BV": 64, "num_warps": 4, "num_stages": 2},
     "bwd_scan": {"BV": 64, "num_warps": 4, "num_stages": 3},
     "bwd_output": {"BV": 64, "num_warps": 8, "num_stages": 1},
 }
-# Programs with per-key-channel decayed products (their C x K operand tiles on top of apply's)
-# keep apply's former setting, the one they were measured with.
-CHUNK_LAUNCH_KEY_CHANNEL = {**CHUNK_LAUNCH, "apply": {"BV": 64, "num_warps": 4, "num_stages": 3}}
+# apply's setting before the one above (64 value columns, a third stage hiding their tile loads):
+# kept below the largest chunk size, and by programs with per-key-channel decayed products (their
+# C x K operand tiles on top of apply's), the cases it was measured in.
+_APPLY_BY_64_COLUMNS = {"BV": 64, "num_warps": 4, "num_stages": 3}
+CHUNK_LAUNCH_KEY_CHANNEL = {**CHUNK_LAUNCH, "apply": _APPLY_BY_64_COLUMNS}
 # Smaller settings where the backward's output kernel holds larger tiles, else it runs out of
 # shared memory: K > 128 key channels (bf16 operands), or fp32 operands (precision="tf32").
 # The forward output kernel keeps 32 columns and 2 stages: with BK = 256, BV = 32 and one stage it
@@ -128,7 +130,7 @@ CHUNK_LAUNCH_FEWER_PROGRAMS = {"scan": {"BV": 16}, "bwd_scan": {"BV": 16}}
 #    -> 4.475 ms, from the backward's re-run of the forward scan (at C = 64 no gain: 1.057 vs
 #    1.062 ms forward). Not for per-key-channel gates, where it was not measured.
 CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 2}, "system": {"num_warps": 2},
-                            "output": {"num_warps": 2}, "apply": {"BV": 64, "num_stages": 3},
+                            "output": {"num_warps": 2}, "apply": _APPLY_BY_64_COLUMNS,
                             "scan": {"num_stages": 3}}
 CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**{role: s for role, s in CHUNK_LAUNCH_SMALL_CHUNK.items() if role != "scan"},
                                         "bwd_output": {"num_stages": 2}}
