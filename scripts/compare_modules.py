@@ -6,7 +6,7 @@ commits or codegen choices); every one runs on the same inputs, and its outputs 
 --backward its gradients) are compared with the first implementation's. BENCHMARKS.md's
 "how we got here" table came from this:
 
-    python scripts/compare_modules.py --mods 'mods/*.py' --fla [--backward] [--profile 4x4096x16x32]
+    python scripts/compare_modules.py --mods 'mods/*.py' --fla [--backward | --both] [--profile 4x4096x16x32]
         [--oracle NAME]    # also: every plan and chunk size of module NAME vs the float64 oracle
         [--sweep 'NAME@4x4096x16x32:scan=32,4,3;...']   # launch settings of one role, one at a time
         [--vary 'NAME@1x65536x2x8:SCAN_PROGRAMS_PER_MULTIPROCESSOR=8&SCAN_COMBINE_BV=16;...']
@@ -31,6 +31,7 @@ p.add_argument("--spec", default="specs/gdn.toml")  # the spec every module was 
 p.add_argument("--shapes", default="4x4096x16x32,1x32768x16x32,1x65536x2x8")
 p.add_argument("--backward", action="store_true")
 p.add_argument("--fla", action="store_true")
+p.add_argument("--both", action="store_true")  # forward, then forward + backward (one process)
 p.add_argument("--profile", default="")
 p.add_argument("--sweep", default="")  # role=BV,warps,stages;... variants on the first module
 p.add_argument("--vary", default="")  # NAME@SHAPE:CONST=VALUE&...;... module-constant variants
@@ -95,96 +96,99 @@ if args.oracle:
                 errs = [relative_error(o, o_ref), relative_error(ht, ht_ref)] + [relative_error(a, b) for a, b in zip(grads, grads_ref)]
                 rec_row(kind="oracle", mod=name, plan=plan, C=C, worst=max(errs), errs=[round(e, 5) for e in errs])
 
-for s in args.shapes.split(","):
-    B, T, H, HV = map(int, s.split("x"))
-    shape = Shape(B, T, H, HV, 128, 128)
-    g = torch.Generator().manual_seed(0)
-    ts = [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=g, normalize_keys=False)]
-    leaves = [t.requires_grad_() for t in ts] if args.backward else ts
-    d_o = torch.randn(B, T, HV, 128, generator=g).to("cuda", torch.bfloat16)
-    impls = ([("fla", fla)] if fla else []) + [(n, (lambda m: lambda *a, **kw: m.chunk(*a, precision=args.precision, **kw))(m))
-                                                  for n, m in mods.items()]
-    ref_out = None
-    for name, fn in impls:
-        out = None  # the last contender's outputs would count in this one's peak
-        ms, peak, cold, out = timeit(lambda: run(fn, leaves, d_o, args.backward))
-        diff = None
-        if ref_out is None:
-            ref_out = out
-        else:
-            diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
-        rec_row(kind="time", shape=s, impl=name, bwd=args.backward, ms=round(ms, 4), peak=round(peak), cold=round(cold, 1),
-                diff=diff, finite=all(torch.isfinite(x).all().item() for x in out))
-    if args.sweep:
-        for item in filter(None, args.sweep.split(";")):
-            where, rest = item.split(":")
+# --both: the forward rows first, then forward + backward, in one process (FLA autotunes once)
+for args.backward in ([False, True] if args.both else [args.backward]):
+    for s in args.shapes.split(","):
+        B, T, H, HV = map(int, s.split("x"))
+        shape = Shape(B, T, H, HV, 128, 128)
+        g = torch.Generator().manual_seed(0)
+        ts = [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=g, normalize_keys=False)]
+        leaves = [t.requires_grad_() for t in ts] if args.backward else ts
+        d_o = torch.randn(B, T, HV, 128, generator=g).to("cuda", torch.bfloat16)
+        impls = ([("fla", fla)] if fla else []) + [(n, (lambda m: lambda *a, **kw: m.chunk(*a, precision=args.precision, **kw))(m))
+                                                      for n, m in mods.items()]
+        ref_out = None
+        for name, fn in impls:
+            out = None  # the last contender's outputs would count in this one's peak
+            ms, peak, cold, out = timeit(lambda: run(fn, leaves, d_o, args.backward))
+            diff = None
+            if ref_out is None:
+                ref_out = out
+            else:
+                diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
+            rec_row(kind="time", shape=s, impl=name, bwd=args.backward, ms=round(ms, 4), peak=round(peak), cold=round(cold, 1),
+                    diff=diff, finite=all(torch.isfinite(x).all().item() for x in out))
+        if args.sweep:
+            for item in filter(None, args.sweep.split(";")):
+                where, rest = item.split(":")
+                name, shape_sel = where.split("@")
+                if shape_sel != s:
+                    continue
+                m = mods[name]
+                role, cfg = rest.split("=")
+                BV, w, st = map(int, cfg.split(","))
+                saved = dict(m.CHUNK_LAUNCH[role])
+                m.CHUNK_LAUNCH[role] = {**saved, "BV": BV, "num_warps": w, "num_stages": st}
+                # the variant is the whole setting: no shape-dependent override replaces part of it
+                overrides = [table for table in (m.CHUNK_LAUNCH_SMALL_CHUNK, m.CHUNK_LAUNCH_FEW_PROGRAMS, getattr(m, "CHUNK_LAUNCH_FEWER_PROGRAMS", {})) if role in table]
+                popped = [table.pop(role) for table in overrides]
+                try:
+                    if lost_context:
+                        raise RuntimeError(f"not run: the CUDA context was lost at {lost_context}")
+                    ms, peak, cold, out = timeit(lambda: run(m.chunk, leaves, d_o, args.backward))
+                    diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
+                    rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, ms=round(ms, 4), diff=diff)
+                except Exception as e:
+                    # A fault in a kernel (an illegal address) poisons the process's CUDA context: every
+                    # later launch fails too, so only the first such row is about its own setting.
+                    if "CUDA error" in str(e) and not lost_context:
+                        lost_context = f"{name} {role}={cfg}"
+                    rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, error=str(e)[:200])
+                m.CHUNK_LAUNCH[role] = saved
+                for table, setting in zip(overrides, popped):
+                    table[role] = setting
+        for item in filter(None, args.vary.split(";")):
+            where, assignments = item.split(":", 1)
             name, shape_sel = where.split("@")
-            if shape_sel != s:
+            if shape_sel != s or lost_context:
                 continue
             m = mods[name]
-            role, cfg = rest.split("=")
-            BV, w, st = map(int, cfg.split(","))
-            saved = dict(m.CHUNK_LAUNCH[role])
-            m.CHUNK_LAUNCH[role] = {**saved, "BV": BV, "num_warps": w, "num_stages": st}
-            # the variant is the whole setting: no shape-dependent override replaces part of it
-            overrides = [table for table in (m.CHUNK_LAUNCH_SMALL_CHUNK, m.CHUNK_LAUNCH_FEW_PROGRAMS, getattr(m, "CHUNK_LAUNCH_FEWER_PROGRAMS", {})) if role in table]
-            popped = [table.pop(role) for table in overrides]
+            values = {key: ast.literal_eval(value) for key, value in (a.split("=", 1) for a in assignments.split("&"))}
+            saved = {key: getattr(m, key) for key in values}  # an unknown constant is an AttributeError here
+            for key, value in values.items():
+                setattr(m, key, value)
             try:
-                if lost_context:
-                    raise RuntimeError(f"not run: the CUDA context was lost at {lost_context}")
                 ms, peak, cold, out = timeit(lambda: run(m.chunk, leaves, d_o, args.backward))
                 diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
-                rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, ms=round(ms, 4), diff=diff)
+                rec_row(kind="vary", shape=s, mod=name, set=assignments, ms=round(ms, 4), peak=round(peak), diff=diff)
             except Exception as e:
-                # A fault in a kernel (an illegal address) poisons the process's CUDA context: every
-                # later launch fails too, so only the first such row is about its own setting.
-                if "CUDA error" in str(e) and not lost_context:
-                    lost_context = f"{name} {role}={cfg}"
-                rec_row(kind="sweep", shape=s, mod=name, role=role, cfg=cfg, error=str(e)[:200])
-            m.CHUNK_LAUNCH[role] = saved
-            for table, setting in zip(overrides, popped):
-                table[role] = setting
-    for item in filter(None, args.vary.split(";")):
-        where, assignments = item.split(":", 1)
-        name, shape_sel = where.split("@")
-        if shape_sel != s or lost_context:
-            continue
-        m = mods[name]
-        values = {key: ast.literal_eval(value) for key, value in (a.split("=", 1) for a in assignments.split("&"))}
-        saved = {key: getattr(m, key) for key in values}  # an unknown constant is an AttributeError here
-        for key, value in values.items():
-            setattr(m, key, value)
-        try:
-            ms, peak, cold, out = timeit(lambda: run(m.chunk, leaves, d_o, args.backward))
-            diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
-            rec_row(kind="vary", shape=s, mod=name, set=assignments, ms=round(ms, 4), peak=round(peak), diff=diff)
-        except Exception as e:
-            if "CUDA error" in str(e):
-                lost_context = f"{name} {assignments}"
-            rec_row(kind="vary", shape=s, mod=name, set=assignments, error=str(e)[:200])
-        for key, value in saved.items():
-            setattr(m, key, value)
-    if lost_context:
-        break
-    if args.profile and s in args.profile.split("+"):
-        from torch.profiler import profile, ProfilerActivity
-        for name, fn in impls:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    run(fn, leaves, d_o, args.backward)
-                torch.cuda.synchronize()
-            table = {}
-            for e in prof.key_averages():
-                if e.device_type.name == "CUDA" or getattr(e, "cuda_time_total", 0):
-                    t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-                    if t > 0:
-                        table[e.key[:60]] = round(t / 3 / 1000, 4)
-            top = sorted(table.items(), key=lambda kv: -kv[1])[:14]
-            # the last call's kernels in launch order, to tell a kernel's forward run from its re-run
-            kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-            calls = [(e.name[:40], round(e.time_range.elapsed_us() / 1000, 4)) for e in kernels[len(kernels) * 2 // 3:]]
-            rec_row(kind="profile", shape=s, impl=name, kernels_ms=top, calls=calls)
-    torch.cuda.empty_cache()
+                if "CUDA error" in str(e):
+                    lost_context = f"{name} {assignments}"
+                rec_row(kind="vary", shape=s, mod=name, set=assignments, error=str(e)[:200])
+            for key, value in saved.items():
+                setattr(m, key, value)
+        if lost_context:
+            break
+        if args.profile and s in args.profile.split("+"):
+            from torch.profiler import profile, ProfilerActivity
+            for name, fn in impls:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        run(fn, leaves, d_o, args.backward)
+                    torch.cuda.synchronize()
+                table = {}
+                for e in prof.key_averages():
+                    if e.device_type.name == "CUDA" or getattr(e, "cuda_time_total", 0):
+                        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                        if t > 0:
+                            table[e.key[:60]] = round(t / 3 / 1000, 4)
+                top = sorted(table.items(), key=lambda kv: -kv[1])[:14]
+                # the last call's kernels in launch order, to tell a kernel's forward run from its re-run
+                kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+                calls = [(e.name[:40], round(e.time_range.elapsed_us() / 1000, 4)) for e in kernels[len(kernels) * 2 // 3:]]
+                rec_row(kind="profile", shape=s, impl=name, kernels_ms=top, calls=calls)
+        torch.cuda.empty_cache()
+
 
 json.dump(results, open(os.path.join(OUT, "perf.json"), "w"), indent=1)
 if lost_context:
