@@ -293,8 +293,9 @@ def _reject_unsupported(fn: str, **options) -> None:
 def _save_policy(fn: str, disable_recompute) -> str | None:
     """chunk()'s save_policy for FLA's disable_recompute. Both say what the backward recomputes,
     never what it computes: True, keep every forward activation the backward reads and recompute
-    none, is save_policy "save"; False is lrdsl's default, "save_solve" (like FLA then, which
-    keeps its chunk-local solved matrices and recomputes the rest)."""
+    none, is save_policy "save"; False is lrdsl's default, "save_states" (like FLA then, which
+    keeps its chunk-local solved matrices and recomputes the rest; lrdsl also keeps a few entry
+    states where its re-run scan has few programs)."""
     if not isinstance(disable_recompute, bool):
         _fail(fn, f"disable_recompute must be True or False, got {disable_recompute!r}")
     return "save" if disable_recompute else None

@@ -131,7 +131,7 @@ def test_backward_reads_the_forward_buffers_instead_of_solving():
 
 def test_save_policies():
     save = stages("gdn")["save"]
-    assert save.default_policy == "save_solve"
+    assert save.default_policy == "save_states"
     recompute, solve, prepare, keep = (save.policy(n) for n in ("recompute", "save_solve", "save_prepare", "save"))
     assert recompute.kept_by("fused") == () and recompute.rerun_by("fused") == ("prepare", "scan")
     assert recompute.rerun_by("split") == ("system", "solve", "apply", "scan")
@@ -371,13 +371,18 @@ RESUMED_CASES = {
 }
 
 
+@pytest.mark.parametrize("every", [1, 2])
 @pytest.mark.parametrize("case", sorted(RESUMED_CASES))
 @pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "rwkv7"])
-def test_save_states_resumes_the_rerun_scan_from_the_forward_states(name, case, generator, device, monkeypatch):
+def test_save_states_resumes_the_rerun_scan_from_the_forward_states(name, case, every, generator, device, monkeypatch):
     """save_states: the backward (here at half the forward's chunk size) re-runs the forward scan
-    from the entry states the forward call kept, runs of chunks side by side, and its gradients
-    match the oracle's (packed sequences, empty and one-token ones, initial states included)."""
+    from the entry states the forward call kept (every forward chunk's, or every other one's),
+    runs of chunks side by side, and its gradients match the oracle's (packed sequences, empty
+    and one-token ones, initial states included). The re-run has few programs here (as many
+    multiprocessors as an H200 stand in for the interpreter's none)."""
     mod = module(name)
+    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 132)
+    monkeypatch.setattr(mod, "RESUME_EVERY", every)
     resumed, states, alive_in_backward_scan = [], [], []
     real_resumed, real_scan = mod._scan_resumed, mod._scan
     monkeypatch.setattr(mod, "_scan_resumed",
@@ -393,8 +398,22 @@ def test_save_states_resumes_the_rerun_scan_from_the_forward_states(name, case, 
     errors = gradient_errors(name, RESUMED_CASES[case], generator, device, save_policy="save_states")
     assert_gradients(errors, f"{name} {case} save_states")
     forward, backward = mod.FORWARD_CHUNK_SIZE[mod.DEFAULT_CHUNK_PLAN, "input"], mod.BACKWARD_CHUNK_SIZE["input"]
-    assert resumed == [forward // backward]
+    assert resumed == [every * forward // backward]
     assert alive_in_backward_scan == [[False]]
+
+
+def test_save_states_keeps_no_state_where_the_rerun_scan_has_programs_enough(generator, device, monkeypatch):
+    """Where the re-run walking whole sequences has at least RESUME_FEW_PROGRAMS programs per
+    multiprocessor, the forward keeps no entry state and the backward re-runs as save_solve does."""
+    mod = module("gdn")
+    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 1)
+    decided, real = [], mod._resumes
+    monkeypatch.setattr(mod, "_resumes", lambda *args: decided.append(real(*args)) or decided[-1])
+    monkeypatch.setattr(mod, "_resume_states", lambda *args: pytest.fail("the forward kept entry states"))
+    monkeypatch.setattr(mod, "_scan_resumed", lambda *args: pytest.fail("the re-run resumed"))
+    errors = gradient_errors("gdn", RESUMED_CASES["dense_h0_dht"], generator, device, save_policy="save_states")
+    assert_gradients(errors, "gdn save_states, programs enough")
+    assert decided == [False]
 
 
 @pytest.mark.parametrize("name", ["gdn", "linear_attn", "kda", "gla"])

@@ -168,8 +168,8 @@ def test_varlen_cu_seqlens_and_cu_seqlens_cpu(generator, device):
 def test_disable_recompute_keeps_what_the_backward_reads(packed, generator, device, monkeypatch):
     """FLA's disable_recompute=True (keep every activation the backward reads) is chunk()'s
     save_policy "save": the backward re-runs no forward kernel, at the forward's chunk size, and
-    its gradients still match the oracle; False is the default, "save_solve" (the solved systems
-    kept, the rest recomputed)."""
+    its gradients still match the oracle; False is the default, "save_states" (the solved systems
+    kept, the rest recomputed, the re-run scan perhaps resumed from a few kept states)."""
     lengths = [5, 0, 30]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
     gate, beta = "in_kernel_dt_bias", "sigmoid"
@@ -191,7 +191,7 @@ def test_disable_recompute_keeps_what_the_backward_reads(packed, generator, devi
     calls.clear()
     o, ht = call_chunk(leaves(tensors, device), gate, beta, chunk_size=32, disable_recompute=False, **on(device, packing))
     (o.sum() + ht.sum()).backward()
-    assert calls == [(32, "save_solve", sorted(module.SAVE_POLICIES["save_solve"]["kept"][plan]))]
+    assert calls == [(32, "save_states", sorted(module.SAVE_POLICIES["save_states"]["kept"][plan]))]
 
 
 def test_chunk_state_v_first_against_the_oracle(generator, device):

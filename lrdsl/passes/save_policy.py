@@ -2,7 +2,13 @@
 recompute it by re-running forward kernels in the backward.
 
 The choice is made per tensor from the forward's stage graph:
-    save_solve    (default) keep the solved triangular systems (C x C per row) and re-run the
+    save_states   (default) save_solve, and keep the scan's entry states: where the re-run scan
+                  would have few programs, the generated module keeps one of them per
+                  RESUME_EVERY forward chunks and the re-run starts each run of chunks between
+                  two from the first, all side by side, instead of walking whole sequences
+                  (about B * ceil(T/C) / RESUME_EVERY * HV * K * V values in the inputs' dtype
+                  kept); elsewhere none (the same as save_solve)
+    save_solve    keep the solved triangular systems (C x C per row) and re-run the
                   rest: a solution is still valid at a smaller chunk size (its diagonal blocks),
                   so the backward keeps its own chunk size and skips building and solving its
                   systems (specs without a solve: the same as recompute)
@@ -11,10 +17,6 @@ The choice is made per tensor from the forward's stage graph:
     save_prepare  keep what the prepare phase stores (W, U, the solved system: chunk-local, as
                   large as the inputs) and re-run only the scan for the entry states
     save          keep everything the backward reads; re-run nothing (most memory, least time)
-    save_states   save_solve, and keep the scan's entry states: the re-run scan then starts each
-                  run of its chunks that one forward chunk covers from its kept state, all of
-                  them side by side, instead of walking whole sequences (one state per forward
-                  chunk of memory kept, B * ceil(T/C) * HV * K * V values in the inputs' dtype)
 Kernels a re-run needs are re-run too, unless the buffers they read are kept.
 """
 from __future__ import annotations
@@ -40,15 +42,17 @@ from ..ir.chunk import (
 )
 from ..ir.plan import BackwardPlan, ChunkPlans, Plan, SavePolicy
 
-# The first is the default: keeping the solved systems measured faster than recomputing them
+# The first is the default. Keeping the solved systems measured faster than recomputing them
 # (gdn forward + backward on an H200: 5.13 -> 5.02 ms at 4 x 4096, 11.68 -> 11.41 at 1 x 32768;
-# BENCHMARKS.md, round 8) for 1 x C x C per token of memory kept.
+# BENCHMARKS.md, round 8) for 1 x C x C per token of memory kept; keeping a few entry states too
+# where the re-run scan has few programs, faster again (10.38 -> 9.87 ms at 1 x 32768, 6.11 ->
+# 5.53 at 1 x 65536 with 8 value heads; round 14) for one state per 16 forward chunks.
 POLICIES = {
+    "save_states": "keep the solved systems and, where the re-run scan has few programs, some entry states; re-run the rest",
     "save_solve": "keep the solved systems (C x C, chunk-local); re-run the rest, the backward at its own chunk size",
     "recompute": "keep nothing from the forward; re-run the forward kernels the backward reads from",
     "save_prepare": "keep the prepare phase's buffers (chunk-local); re-run the scan for the entry states",
     "save": "keep every forward buffer the backward reads; re-run nothing",
-    "save_states": "keep the solved systems and the entry states; re-run the rest, the scan from the kept states",
 }
 
 
