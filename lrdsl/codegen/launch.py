@@ -136,11 +136,11 @@ CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**{role: s for role, s in CHUNK_LAUNCH_S
                                         "bwd_output": {"num_stages": 2}}
 
 # The backward recomputes the forward's buffers, or reads only the solved systems (save policies
-# "recompute", "save_solve", "save_states"), and so may use its own chunk size. Its output kernel holds many
-# more tiles than any forward kernel (every gradient of a chunk), and past the register file it
-# spills in its inner work: at C = 64 the gdn estimate is 2.4x the register file and the kernel
-# took 6.2 ms at 4 x 4096 (H200), at C = 32 (1.07x) it took 3.4 ms and forward + backward fell
-# from 9.6 to 7.3 ms, at C = 16 (0.7x) the scans' extra steps cost more than the kernel gained
+# "recompute", "save_solve", "save_states"), and so may use its own chunk size. Its output
+# kernel holds many more tiles than any forward kernel (every gradient of a chunk), and past the
+# register file it spills in its inner work: at C = 64 the gdn estimate is 2.4x the register
+# file and the kernel took 6.2 ms at 4 x 4096 (H200), at C = 32 (1.07x) it took 3.4 ms and
+# forward + backward fell from 9.6 to 7.3 ms, at C = 16 (0.7x) the scans' extra steps cost more than the kernel gained
 # (8.7 ms). The estimate is a lower bound (Triton's temporaries are not counted), so a kernel may
 # exceed the register file by a quarter.
 REGISTER_FILE_BYTES_PER_WARP = 32 * 255 * 4  # 32 threads x 255 registers of 4 bytes
