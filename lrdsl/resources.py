@@ -10,7 +10,13 @@ memory on sm_90). So what only the GPU compiler rejects (a tl.dot dimension unde
 register pressure and shared-memory overflows show up in CI, not on the GPU.
 
     python -m lrdsl.resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
-                              [--chunk-size C|default] [--kernels TEXT]
+                              [--chunk-size C|default] [--kernels TEXT] [--launch ROLE=BV,WARPS,STAGES ...]
+
+--launch replaces a kernel role's launch settings (the roles of the module's CHUNK_LAUNCH: system,
+apply, scan, output, bwd_output, ...) after the module's own rules have chosen them; given several
+times, it reports once per setting, so the spills of a kernel can be read per launch setting
+before any GPU time is spent on it (`--launch "bwd_output=64,8,1" --launch "bwd_output=32,4,1"`;
+several roles in one setting are separated by ';').
 
 A chunk size over the module's largest for the shape (largest_chunk_size) is refused by chunk()
 itself, as for any call.
@@ -149,13 +155,58 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     return registers, int(spills.group(1)) if spills else 0
 
 
+def parse_launch(text: str, roles) -> dict[str, dict[str, int]]:
+    """'ROLE=BV,WARPS,STAGES[;ROLE=...]' -> {role: {"BV": .., "num_warps": .., "num_stages": ..}};
+    a role not in `roles` or a malformed setting is a one-line ValueError."""
+    settings = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        role, _, numbers = part.partition("=")
+        role = role.strip()
+        if role not in roles:
+            raise ValueError(f"--launch {text!r}: unknown kernel role {role!r}; roles: {', '.join(sorted(roles))}")
+        values = numbers.split(",")
+        if len(values) != 3 or not all(v.strip().isdigit() and int(v) > 0 for v in values):
+            raise ValueError(f"--launch {text!r}: {role} needs BV,WARPS,STAGES (three positive integers), got {numbers!r}")
+        settings[role] = dict(zip(("BV", "num_warps", "num_stages"), map(int, values)))
+    if not settings:
+        raise ValueError(f"--launch {text!r}: no ROLE=BV,WARPS,STAGES in it")
+    return settings
+
+
+class _LaunchOverride:
+    """Replaces the launch settings the module's _launch picks for some roles (BV clamped as the
+    module clamps it: at least the smallest matmul tile, at most V rounded up to a power of 2)."""
+
+    def __init__(self, module, settings: dict[str, dict[str, int]] | None):
+        self.module, self.settings = module, settings or {}
+
+    def __enter__(self):
+        module, settings = self.module, self.settings
+        self._launch = chosen = module._launch
+
+        def launch(role, c, *args, **kwargs):
+            result = chosen(role, c, *args, **kwargs)
+            if role not in settings:
+                return result
+            result = {**result, **settings[role]}
+            result["BV"] = max(module.SMALLEST_DOT_TILE, min(module._next_power_of_2(c["V"]), result["BV"]))
+            return result
+
+        module._launch = launch
+        return self
+
+    def __exit__(self, *exc):
+        self.module._launch = self._launch
+
+
 def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90, chunk_size=None,
-                     only: str = "") -> list[KernelResources]:
+                     only: str = "", launch: dict[str, dict[str, int]] | None = None) -> list[KernelResources]:
     """Compile every kernel that chunk calls (forward and backward, every plan; chunk_size None:
     the default for the precision), a recurrent call and the serving calls (decode on a bf16 pool
     kept [P, HV, V, K], verify and commit on an fp32 pool) launch, each once per distinct
     specialisation, or only those whose name contains `only`. The chunk and recurrent calls take
-    an initial state and both outputs' gradients: the kernels' longest variants."""
+    an initial state and both outputs' gradients: the kernels' longest variants. `launch`: launch
+    settings per kernel role that replace the module's (parse_launch)."""
     import torch
 
     from .workloads import make_inputs
@@ -165,7 +216,7 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     tensors = [t.to("meta") for t in tensors]
     h0 = torch.empty(shape.B, shape.HV, shape.K, shape.V, device="meta")
     options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
-    with _LaunchRecorder(module) as recorder:
+    with _LaunchRecorder(module) as recorder, _LaunchOverride(module, launch):
         for plan in getattr(module, "CHUNK_PLANS", ()):
             leaves = [t.detach().requires_grad_() for t in (*tensors, h0)]
             o, ht = module.chunk(*leaves[:-1], initial_state=leaves[-1], plan=plan, precision=precision,
@@ -215,6 +266,9 @@ def main(argv=None) -> int:
                         "shape and precision, largest_chunk_size), or 'default': what a call without chunk_size "
                         "runs (the forward's FORWARD_CHUNK_SIZE, the backward's own BACKWARD_CHUNK_SIZE)")
     p.add_argument("--kernels", default="", metavar="TEXT", help="only the kernels whose name contains TEXT")
+    p.add_argument("--launch", action="append", metavar="ROLE=BV,WARPS,STAGES",
+                   help="launch settings replacing the module's for a kernel role ('ROLE=..;ROLE=..' for several); "
+                        "repeat for one report per setting")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
     fits = True
@@ -232,11 +286,18 @@ def main(argv=None) -> int:
             else:
                 chunk_size = int(args.chunk_size) if args.chunk_size else largest
                 shown = chunk_size
-            print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}  chunk_size={shown}  sm_90")
-            report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=chunk_size, only=args.kernels)
-            for row in report:
-                print(row.describe())
-            fits = fits and all(r.fits for r in report)
+            for text in args.launch or [None]:
+                try:
+                    launch = parse_launch(text, module.CHUNK_LAUNCH) if text else None
+                except ValueError as error:
+                    p.error(str(error))
+                setting = f"  launch {text}" if text else ""
+                print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}  chunk_size={shown}  sm_90{setting}")
+                report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=chunk_size,
+                                          only=args.kernels, launch=launch)
+                for row in report:
+                    print(row.describe())
+                fits = fits and all(r.fits for r in report)
     return 0 if fits else 1
 
 

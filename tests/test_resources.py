@@ -90,3 +90,31 @@ def test_default_chunk_sizes_report_the_backward_at_its_own():
     # size; the split plan's backward reads the forward's solved systems (save_solve) at C = 64
     assert len(rows) == 2 and all("num_stages=2" in row and "BV=128" in row for row in rows), rows
     assert sorted("CC_BT=64" in row for row in rows) == [False, True], rows
+
+
+def test_launch_settings_replace_the_modules_one_report_each():
+    """--launch compiles a role at the settings given, once per setting, so a kernel's spills can
+    be read per launch setting without a GPU; the other roles keep the module's settings."""
+    sections = compile_for_sm90(["gdn"], ["1,128,1,2,128,128"], "--chunk-size", "default", "--kernels", "bwd_",
+                                "--launch", "bwd_output=64,8,1", "--launch", "bwd_output=32,4,2;bwd_scan=32,4,2")
+    assert len(sections) == 2, sections
+    (first_header, first), (second_header, second) = sections.items()
+    assert first_header.endswith("launch bwd_output=64,8,1"), first_header
+    assert second_header.endswith("launch bwd_output=32,4,2;bwd_scan=32,4,2"), second_header
+    rows = {header: [row for row in rows if "bwd_output" in row] for header, rows in sections.items()}
+    assert rows[first_header] and all("num_warps=8 num_stages=1 BV=64" in row for row in rows[first_header]), first
+    assert rows[second_header] and all("num_warps=4 num_stages=2 BV=32" in row for row in rows[second_header]), second
+    # the backward scan: the module's 3 stages in the first setting, the given 2 in the second
+    assert all("num_stages=3" in row for row in first if "bwd_scan" in row), first
+    assert all("num_warps=4 num_stages=2 BV=32" in row for row in second if "bwd_scan" in row), second
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("bwd_outpt=64,8,1", "unknown kernel role 'bwd_outpt'; roles: apply, bwd_output"),
+    ("bwd_output=64,8", "bwd_output needs BV,WARPS,STAGES (three positive integers), got '64,8'"),
+])
+def test_bad_launch_setting_is_a_one_line_error(setting, message):
+    result = subprocess.run([sys.executable, "-m", "lrdsl.resources", spec_path("gdn"), "--launch", setting],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and message in result.stderr.splitlines()[-1], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
