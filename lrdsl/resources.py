@@ -30,6 +30,8 @@ import sys
 from dataclasses import dataclass
 
 SM90_SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on sm_90
+SM90_REGISTERS = 65_536  # 32-bit registers of one multiprocessor
+SM90_THREAD_REGISTERS = 255  # the most one thread may use
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,29 @@ class KernelResources:
     registers: int
     spill_bytes: int  # spill stores per thread, bytes
     shared: int
+    num_warps: int = 4
 
     @property
     def fits(self) -> bool:
         return self.shared <= SM90_SHARED_LIMIT
 
+    @property
+    def register_cap(self) -> int:
+        """The most registers a thread may use at this many warps (a multiprocessor has 65,536)."""
+        return min(SM90_THREAD_REGISTERS, SM90_REGISTERS // (32 * self.num_warps))
+
+    @property
+    def starved(self) -> bool:
+        """ptxas gave the kernel under half the registers its threads may use and spilled anyway:
+        what it does with some kernels too large for it (gdn's backward output kernel at K = 256
+        with 32 value columns: 32 registers and 22 KB of spills per thread, 255 and 2 KB at 64
+        columns). Such a launch setting costs far more than its spills elsewhere would."""
+        return self.spill_bytes > 0 and 2 * self.registers < self.register_cap
+
     def describe(self) -> str:
         verdict = "ok" if self.fits else f"OVER the {SM90_SHARED_LIMIT} B shared-memory limit"
+        if self.starved:
+            verdict += f"  STARVED: {self.registers} of {self.register_cap} registers, spilling"
         return (f"{self.kernel:<34} {self.launch:<32} regs {self.registers:>3}  spills {self.spill_bytes:>6} B"
                 f"  shared {self.shared:>7} B  {verdict}")
 
@@ -241,7 +259,8 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
         compiled, launch_options, extra = _compile(fn, args, dict(kwargs), arch)
         launch = " ".join(f"{k}={v}" for k, v in {**launch_options, **extra}.items())
         registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
-        report.append(KernelResources(fn.__name__, launch, registers, spills, compiled.metadata.shared))
+        report.append(KernelResources(fn.__name__, launch, registers, spills, compiled.metadata.shared,
+                                      launch_options.get("num_warps", 4)))
     return report
 
 

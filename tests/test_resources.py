@@ -118,3 +118,26 @@ def test_bad_launch_setting_is_a_one_line_error(setting, message):
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 2 and message in result.stderr.splitlines()[-1], result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_starved_compiles_are_flagged():
+    """ptxas compiles some kernels too large for it with 32 registers and tens of KB of spills per
+    thread (gdn's backward output kernel at K = 256 with 32 value columns): the report marks such a
+    launch STARVED, and not the same kernel at 64 columns (255 registers, about 2 KB)."""
+    sections = compile_for_sm90(["gdn"], ["1,128,1,2,256,256"], "--chunk-size", "default", "--kernels", "bwd_output",
+                                "--launch", "bwd_output=32,8,1", "--launch", "bwd_output=64,8,1")
+    (_, narrow), (_, wide) = sections.items()
+    assert narrow and all("STARVED: 32 of 255 registers" in row for row in narrow), narrow
+    assert wide and not any("STARVED" in row for row in wide), wide
+
+
+def test_starved_means_under_half_the_registers_while_spilling():
+    from lrdsl.resources import KernelResources
+
+    def row(registers, spills, warps):
+        return KernelResources("k", "", registers, spills, 0, warps)
+
+    assert row(32, 8000, 8).starved and row(32, 8000, 4).starved
+    assert not row(255, 2000, 8).starved and not row(32, 0, 8).starved
+    assert not row(64, 3000, 16).starved  # 16 warps: 128 registers a thread at most
+    assert row(32, 3000, 16).starved and row(64, 3000, 16).register_cap == 128
