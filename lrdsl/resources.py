@@ -41,7 +41,7 @@ class KernelResources:
     registers: int
     spill_bytes: int  # spill stores per thread, bytes
     shared: int
-    num_warps: int = 4
+    num_warps: int
 
     @property
     def fits(self) -> bool:
@@ -271,6 +271,7 @@ def main(argv=None) -> int:
     import torch
 
     from . import load
+    from .codegen.launch import CHUNK_LAUNCH
     from .passes.pipeline import run_pipeline
     from .specs_registry import load_spec_by_name as load_spec
     from .workloads import Shape
@@ -289,6 +290,11 @@ def main(argv=None) -> int:
                    help="launch settings replacing the module's for a kernel role ('ROLE=..;ROLE=..' for several); "
                         "repeat for one report per setting")
     args = p.parse_args(argv)
+    # every setting checked before the first (slow) compile; the roles are every module's
+    try:
+        launches = [(f"  launch {text}", parse_launch(text, CHUNK_LAUNCH)) for text in args.launch or []]
+    except ValueError as error:
+        p.error(str(error))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
     fits = True
     for spec in args.specs:
@@ -305,12 +311,7 @@ def main(argv=None) -> int:
             else:
                 chunk_size = int(args.chunk_size) if args.chunk_size else largest
                 shown = chunk_size
-            for text in args.launch or [None]:
-                try:
-                    launch = parse_launch(text, module.CHUNK_LAUNCH) if text else None
-                except ValueError as error:
-                    p.error(str(error))
-                setting = f"  launch {text}" if text else ""
+            for setting, launch in launches or [("", None)]:
                 print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}  chunk_size={shown}  sm_90{setting}")
                 report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=chunk_size,
                                           only=args.kernels, launch=launch)
