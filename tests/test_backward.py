@@ -561,6 +561,48 @@ def test_kept_systems_are_narrowed_to_the_operand_dtype_after_the_forward_reads_
     assert kept_dtypes == [{"T": torch.float16}]
 
 
+class _RecordConversions(torch.utils._python_dispatch.TorchDispatchMode):
+    """The dtypes every tensor conversion (`.to(dtype)`) made while active converted to."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "_to_copy":
+            self.dtypes.append(out.dtype)
+        return out
+
+
+def test_the_narrowed_copy_is_written_by_its_last_reader_as_the_conversion_would_round_it(generator, device, monkeypatch):
+    """apply, the kept T's last reader in the forward call, stores the narrowed copy as it loads
+    each tile (no conversion of the whole buffer after it): the copy the backward receives is the
+    fp32 T the forward solved, rounded to the operand dtype, element for element."""
+    mod = module("gdn")
+    kept, backward = [], mod._chunk_backward
+
+    def record(c, plan, policy, saved, *rest):
+        kept.append(saved["T"].clone())
+        return backward(c, plan, policy, saved, *rest)
+
+    monkeypatch.setattr(mod, "_chunk_backward", record)
+    draw = lambda *size, sign=1: (sign * torch.rand(*size, generator=generator, dtype=torch.float64)).to(device, torch.float32)
+    q, k = torch.randn(2, 1, 70, 1, 16, generator=generator, dtype=torch.float64).to(device, torch.float32)
+    v = torch.randn(1, 70, 2, 16, generator=generator, dtype=torch.float64).to(device, torch.float32)
+    g, beta = draw(1, 70, 2, sign=-1), draw(1, 70, 2)
+    conversions = _RecordConversions()
+    for operand in (None, torch.float16):  # the fp32 T, then its narrowed copy
+        monkeypatch.setattr(mod, "_operand_dtype", lambda c, operand=operand: operand)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        with conversions:
+            o, _ = mod.chunk(*leaves, save_policy="save_solve", use_qk_l2norm_in_kernel=True)
+        o.sum().backward()
+    assert [t.dtype for t in kept] == [torch.float32, torch.float16]
+    assert torch.float16 not in conversions.dtypes, "the forward converted a buffer to the operand dtype itself"
+    assert torch.equal(kept[1], kept[0].to(torch.float16))
+
+
 @pytest.mark.parametrize("name, bounds", [("gdn", None), ("gdn", [0, 3, 70, 100]), ("kda", [0, 45, 100]),
                                           ("rwkv7", None), ("deltanet", [0, 100])])
 def test_backward_reads_the_forward_systems_at_its_own_chunk_size(name, bounds, generator, device, monkeypatch):

@@ -35,6 +35,12 @@ def buffer_param(value: str) -> str:
     return f"buf_{value}"
 
 
+def narrowed_param(value: str) -> str:
+    """The parameter of the narrowed copy of a kept buffer a kernel writes as it reads the buffer
+    (None where the call keeps no such copy): `narrowed_T`."""
+    return f"narrowed_{value}"
+
+
 def saved_param(source: str) -> str:
     """The parameter of a forward buffer the backward reads (`saved:H` -> saved_H)."""
     return "saved_" + source[len(SAVED):]
@@ -57,6 +63,10 @@ class KernelContext:
     kernel: Kernel
     accumulators: frozenset = frozenset()  # values summed over the V loop: `+=` instead of `=`
     eager: dict = field(default_factory=dict)  # term -> (sum, starts it): schedule.eager_sums
+    # buffers this kernel, their last reader in the forward call, also writes in the matmul operand
+    # dtype as it loads them: the copies the backward keeps (SavePolicy.narrowed), written here
+    # instead of converted by a pass of their own after the kernel
+    narrowed_copies: tuple[str, ...] = ()
 
     def assign(self, value: str) -> str:
         return f"{var(value)} {'+=' if value in self.accumulators else '='} "
@@ -263,7 +273,13 @@ def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
     made_elsewhere = ctx.kernel.kind == "chunk" and not ctx.stored_here(value)
     offsets, mask = buffer_address(ctx.shape(value), made_elsewhere=made_elsewhere)
     line = load_line(var(value), buffer_param(value), offsets, mask, ctx.load_dtype(value))
-    return [f"# {value}: stored by an earlier kernel", line]
+    lines = [f"# {value}: stored by an earlier kernel", line]
+    if value in ctx.narrowed_copies:
+        copy = narrowed_param(value)
+        lines += [f"# the copy of {value} the backward keeps, in the matmul operand dtype (None: not kept narrowed)",
+                  f"if {copy} is not None:",
+                  "    " + store_line(copy, offsets, mask, var(value))]
+    return lines
 
 
 def emit_buffer_store(value: str, ctx: KernelContext) -> list[str]:

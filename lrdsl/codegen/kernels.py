@@ -26,6 +26,7 @@ from .context import (
     buffer_param,
     emit_buffer_load,
     emit_buffer_store,
+    narrowed_param,
     read_in_acc,
     read_only_by_solves,
     result_param,
@@ -75,6 +76,7 @@ def kernel_results(ctx: KernelContext) -> list[tuple[str, str]]:
 
 def kernel_params(ctx: KernelContext) -> list[str]:
     params = kernel_inputs(ctx) + kernel_saved(ctx) + [buffer_param(b) for b in kernel_buffers(ctx)]
+    params += [narrowed_param(b) for b in ctx.narrowed_copies]
     return params + [result_param(role) for role, _ in kernel_results(ctx)] + ctx.boundary_states()
 
 
@@ -253,8 +255,8 @@ KERNEL_DOCS = {
 }
 
 
-def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel) -> str:
-    ctx = KernelContext(prog, plan, kernel)
+def emit_kernel(prog: ChunkProgram, plan: Plan, kernel: Kernel, narrowed_copies: tuple[str, ...] = ()) -> str:
+    ctx = KernelContext(prog, plan, kernel, narrowed_copies=narrowed_copies)
     backward = prog.direction == "backward"
     common = dict(
         kernel_name=kernel_function_name(prog, kernel),
