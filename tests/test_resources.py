@@ -86,9 +86,9 @@ def test_default_chunk_sizes_report_the_backward_at_its_own():
     sections = compile_for_sm90(["gdn"], ["1,128,1,2,128,128"], "--chunk-size", "default", "--kernels", "bwd_output")
     [(header, rows)] = sections.items()
     assert "chunk_size=default (forward 64, backward 32)" in header, header
-    # 128 value columns in 2 stages: the backward output kernel's settings below the largest chunk
+    # 128 value columns in 1 stage: the backward output kernel's settings below the largest chunk
     # size; the split plan's backward reads the forward's solved systems (save_solve) at C = 64
-    assert len(rows) == 2 and all("num_stages=2" in row and "BV=128" in row for row in rows), rows
+    assert len(rows) == 2 and all("num_stages=1" in row and "BV=128" in row for row in rows), rows
     assert sorted("CC_BT=64" in row for row in rows) == [False, True], rows
 
 

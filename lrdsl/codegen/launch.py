@@ -115,9 +115,15 @@ CHUNK_LAUNCH_FEW_PROGRAMS = {"scan": {"BV": 32, "num_stages": 4}, "bwd_scan": {"
 CHUNK_LAUNCH_FEWER_PROGRAMS = {"scan": {"BV": 16}, "bwd_scan": {"BV": 16}}
 # Below the largest chunk size (C = 32: the backward's usual case, and kda's and gla's forward)
 # tiles are half as tall, and the settings change where that was measured to pay (H200, bf16):
-#  - the backward output kernel takes 128 value columns per program in 2 stages: 7.27 -> 6.88 ms
-#    forward + backward at 4 x 4096 (gdn) for the 2 stages, 6.127 -> 5.652 ms for the 128
-#    columns; at C = 64 one stage was 2.4 ms faster (spills bind there);
+#  - the backward output kernel takes 128 value columns per program (6.127 -> 5.652 ms forward +
+#    backward at 4 x 4096, gdn) in one stage: with 128 columns its V loop has one step at V = 128,
+#    so a second stage only holds 109 KB more shared memory, and ptxas spilled more (848 -> 636 B
+#    per thread). Four interleaved rounds each (H200, one process, BENCHMARKS.md round 16): gdn
+#    4.493 -> 4.479 ms at 4 x 4096, 9.973 -> 9.956 at 1 x 32768, 5.539 -> 5.550 at 1 x 65536;
+#    deltanet 1.992 -> 1.969 / 4.757 -> 4.742, simple_gla 1.507 -> 1.484 / 3.327 -> 3.320 (4 x 4096
+#    / 1 x 32768, 16 heads). In a process that had run FLA's kernels first, the 2-stage kernel
+#    was 0.2-0.3 ms slower than there, the 1-stage one not (gdn 4.702 -> 4.471, 10.241 -> 9.929);
+#    two stages had gained when first measured (7.27 -> 6.88 ms), on the larger kernel of then;
 #  - the system and output kernels run 2 warps (32-row tiles give 4 warps little to share):
 #    kda's forward 1.90 -> 1.59 ms, gla's 1.02 -> 0.86 ms (4 x 4096, H = HV = 16) together with
 #    the scan's 64 columns. Each alone gained 4-13 %.
@@ -129,7 +135,7 @@ CHUNK_LAUNCH_FEWER_PROGRAMS = {"scan": {"BV": 16}, "bwd_scan": {"BV": 16}}
 #    after this table, still decides where it has few): gdn forward + backward at 4 x 4096 4.552
 #    -> 4.475 ms, from the backward's re-run of the forward scan (at C = 64 no gain: 1.057 vs
 #    1.062 ms forward). Not for per-key-channel gates, where it was not measured.
-CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 2}, "system": {"num_warps": 2},
+CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 1}, "system": {"num_warps": 2},
                             "output": {"num_warps": 2}, "apply": _APPLY_BY_64_COLUMNS,
                             "scan": {"num_stages": 3}}
 CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**{role: s for role, s in CHUNK_LAUNCH_SMALL_CHUNK.items() if role != "scan"},
