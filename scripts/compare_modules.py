@@ -7,6 +7,7 @@ commits or codegen choices); every one runs on the same inputs, and its outputs 
 "how we got here" table came from this:
 
     python scripts/compare_modules.py --mods 'mods/*.py' --fla [--backward | --both] [--profile 4x4096x16x32]
+        [--rounds 3]       # each contender timed 3 times, in turn once all are warm (median)
         [--oracle NAME]    # also: every plan and chunk size of module NAME vs the float64 oracle
         [--sweep 'NAME@4x4096x16x32:scan=32,4,3;...']   # launch settings of one role, one at a time
         [--vary 'NAME@1x65536x2x8:SCAN_PROGRAMS_PER_MULTIPROCESSOR=8&SCAN_COMBINE_BV=16;...']
@@ -36,6 +37,7 @@ p.add_argument("--profile", default="")
 p.add_argument("--sweep", default="")  # role=BV,warps,stages;... variants on the first module
 p.add_argument("--vary", default="")  # NAME@SHAPE:CONST=VALUE&...;... module-constant variants
 p.add_argument("--oracle", default="")  # comma list of module names
+p.add_argument("--rounds", type=int, default=1)  # timings per contender, in turn after all are warm (median)
 p.add_argument("--precision", default="input")  # lrdsl modules' precision= (FLA has none)
 args = p.parse_args()
 
@@ -107,7 +109,7 @@ for args.backward in ([False, True] if args.both else [args.backward]):
         d_o = torch.randn(B, T, HV, 128, generator=g).to("cuda", torch.bfloat16)
         impls = ([("fla", fla)] if fla else []) + [(n, (lambda m: lambda *a, **kw: m.chunk(*a, precision=args.precision, **kw))(m))
                                                       for n, m in mods.items()]
-        ref_out = None
+        ref_out, rows = None, []
         for name, fn in impls:
             out = None  # the last contender's outputs would count in this one's peak
             ms, peak, cold, out = timeit(lambda: run(fn, leaves, d_o, args.backward))
@@ -116,8 +118,16 @@ for args.backward in ([False, True] if args.both else [args.backward]):
                 ref_out = out
             else:
                 diff = max(relative_error(a.float(), b.float()) for a, b in zip(out, ref_out))
-            rec_row(kind="time", shape=s, impl=name, bwd=args.backward, ms=round(ms, 4), peak=round(peak), cold=round(cold, 1),
-                    diff=diff, finite=all(torch.isfinite(x).all().item() for x in out))
+            rows.append(dict(kind="time", shape=s, impl=name, bwd=args.backward, ms=round(ms, 4), peak=round(peak), cold=round(cold, 1),
+                             diff=diff, finite=all(torch.isfinite(x).all().item() for x in out), rounds=[round(ms, 4)]))
+        # --rounds: every contender timed again, in turn, once all are warm: the card's drift (its
+        # clocks after a long autotune, say) then falls on each of them alike; ms is the median
+        for _ in range(args.rounds - 1):
+            for (name, fn), row in zip(impls, rows):
+                row["rounds"].append(round(triton.testing.do_bench(lambda: run(fn, leaves, d_o, args.backward), warmup=30, rep=150, return_mode="median"), 4))
+        for row in rows:
+            row["ms"] = sorted(row["rounds"])[len(row["rounds"]) // 2]
+            rec_row(**row)
         if args.sweep:
             for item in filter(None, args.sweep.split(";")):
                 where, rest = item.split(":")
@@ -196,7 +206,8 @@ if lost_context:
 print("=== summary ===")
 for r in results:
     if r["kind"] == "time":
-        print(f'{r["shape"]:<16} {r["impl"]:<14} bwd={r["bwd"]} {r["ms"]:>8.3f} ms peak {r["peak"]:>6} cold {r["cold"]:>5} diff {r["diff"]} finite {r["finite"]}')
+        spread = f' rounds {min(r["rounds"]):.3f}-{max(r["rounds"]):.3f}' if len(r["rounds"]) > 1 else ""
+        print(f'{r["shape"]:<16} {r["impl"]:<14} bwd={r["bwd"]} {r["ms"]:>8.3f} ms{spread} peak {r["peak"]:>6} cold {r["cold"]:>5} diff {r["diff"]} finite {r["finite"]}')
     elif r["kind"] == "sweep":
         print(f'sweep {r["shape"]:<16} {r["role"]} {r["cfg"]} {r.get("ms")} {r.get("error", "")[:80]} diff {r.get("diff")}')
     elif r["kind"] == "oracle":
