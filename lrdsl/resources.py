@@ -10,7 +10,7 @@ memory on sm_90). So what only the GPU compiler rejects (a tl.dot dimension unde
 register pressure and shared-memory overflows show up in CI, not on the GPU.
 
     python -m lrdsl.resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
-                              [--chunk-size C|default] [--kernels TEXT] [--launch ROLE=BV,WARPS,STAGES ...]
+                              [--chunk-size C|default] [--kernels TEXT] [--launch ROLE=BV,WARPS,STAGES[,MAXNREG] ...]
 
 --launch replaces a kernel role's launch settings (the roles of the module's CHUNK_LAUNCH: system,
 apply, scan, output, bwd_output, ...) after the module's own rules have chosen them; given several
@@ -42,6 +42,7 @@ class KernelResources:
     spill_bytes: int  # spill stores per thread, bytes
     shared: int
     num_warps: int
+    maxnreg: int | None = None  # the launch's register cap per thread, where it sets one
 
     @property
     def fits(self) -> bool:
@@ -49,8 +50,9 @@ class KernelResources:
 
     @property
     def register_cap(self) -> int:
-        """The most registers a thread may use at this many warps (a multiprocessor has 65,536)."""
-        return min(SM90_THREAD_REGISTERS, SM90_REGISTERS // (32 * self.num_warps))
+        """The most registers a thread may use at this many warps (a multiprocessor has 65,536),
+        or under the launch's own cap."""
+        return min(SM90_THREAD_REGISTERS, SM90_REGISTERS // (32 * self.num_warps), self.maxnreg or SM90_THREAD_REGISTERS)
 
     @property
     def starved(self) -> bool:
@@ -174,8 +176,10 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
 
 
 def parse_launch(text: str, roles) -> dict[str, dict[str, int]]:
-    """'ROLE=BV,WARPS,STAGES[;ROLE=...]' -> {role: {"BV": .., "num_warps": .., "num_stages": ..}};
-    a role not in `roles` or a malformed setting is a one-line ValueError."""
+    """'ROLE=BV,WARPS,STAGES[,MAXNREG][;ROLE=...]' -> {role: {"BV": .., "num_warps": ..,
+    "num_stages": ..[, "maxnreg": ..]}} (MAXNREG: a cap on each thread's registers, which ptxas
+    meets by spilling: fewer registers, more programs resident per multiprocessor); a role not in
+    `roles` or a malformed setting is a one-line ValueError."""
     settings = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         role, _, numbers = part.partition("=")
@@ -183,9 +187,11 @@ def parse_launch(text: str, roles) -> dict[str, dict[str, int]]:
         if role not in roles:
             raise ValueError(f"--launch {text!r}: unknown kernel role {role!r}; roles: {', '.join(sorted(roles))}")
         values = numbers.split(",")
-        if len(values) != 3 or not all(v.strip().isdigit() and int(v) > 0 for v in values):
-            raise ValueError(f"--launch {text!r}: {role} needs BV,WARPS,STAGES (three positive integers), got {numbers!r}")
-        settings[role] = dict(zip(("BV", "num_warps", "num_stages"), map(int, values)))
+        if len(values) not in (3, 4) or not all(v.strip().isdigit() and int(v) > 0 for v in values):
+            raise ValueError(f"--launch {text!r}: {role} needs BV,WARPS,STAGES[,MAXNREG] (positive integers), got {numbers!r}")
+        if len(values) == 4 and not 24 <= int(values[3]) <= SM90_THREAD_REGISTERS:
+            raise ValueError(f"--launch {text!r}: {role}'s MAXNREG must be 24..{SM90_THREAD_REGISTERS} registers, got {values[3].strip()}")
+        settings[role] = dict(zip(("BV", "num_warps", "num_stages", "maxnreg"), map(int, values)))
     if not settings:
         raise ValueError(f"--launch {text!r}: no ROLE=BV,WARPS,STAGES in it")
     return settings
@@ -260,7 +266,7 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
         launch = " ".join(f"{k}={v}" for k, v in {**launch_options, **extra}.items())
         registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
         report.append(KernelResources(fn.__name__, launch, registers, spills, compiled.metadata.shared,
-                                      launch_options.get("num_warps", 4)))
+                                      launch_options.get("num_warps", 4), launch_options.get("maxnreg")))
     return report
 
 
@@ -286,7 +292,7 @@ def main(argv=None) -> int:
                         "shape and precision, largest_chunk_size), or 'default': what a call without chunk_size "
                         "runs (the forward's FORWARD_CHUNK_SIZE, the backward's own BACKWARD_CHUNK_SIZE)")
     p.add_argument("--kernels", default="", metavar="TEXT", help="only the kernels whose name contains TEXT")
-    p.add_argument("--launch", action="append", metavar="ROLE=BV,WARPS,STAGES",
+    p.add_argument("--launch", action="append", metavar="ROLE=BV,WARPS,STAGES[,MAXNREG]",
                    help="launch settings replacing the module's for a kernel role ('ROLE=..;ROLE=..' for several); "
                         "repeat for one report per setting")
     args = p.parse_args(argv)

@@ -9,7 +9,8 @@ commits or codegen choices); every one runs on the same inputs, and its outputs 
     python scripts/compare_modules.py --mods 'mods/*.py' --fla [--backward | --both] [--profile 4x4096x16x32]
         [--rounds 3]       # each contender timed 3 times, in turn once all are warm (median)
         [--oracle NAME]    # also: every plan and chunk size of module NAME vs the float64 oracle
-        [--sweep 'NAME@4x4096x16x32:scan=32,4,3;...']   # launch settings of one role, one at a time
+        [--sweep 'NAME@4x4096x16x32:scan=32,4,3;apply=128,4,2,168;...']   # launch settings of one
+                                                 # role (BV,warps,stages[,register cap]), one at a time
         [--vary 'NAME@1x65536x2x8:SCAN_PROGRAMS_PER_MULTIPROCESSOR=8&SCAN_COMBINE_BV=16;...']
                                                  # module constants of one module (Python literals,
                                                  # joined by &), one variant per item
@@ -136,9 +137,9 @@ for args.backward in ([False, True] if args.both else [args.backward]):
                     continue
                 m = mods[name]
                 role, cfg = rest.split("=")
-                BV, w, st = map(int, cfg.split(","))
+                BV, w, st, *cap = map(int, cfg.split(","))  # a fourth number: a register cap (maxnreg)
                 saved = dict(m.CHUNK_LAUNCH[role])
-                m.CHUNK_LAUNCH[role] = {**saved, "BV": BV, "num_warps": w, "num_stages": st}
+                m.CHUNK_LAUNCH[role] = {**saved, "BV": BV, "num_warps": w, "num_stages": st, **({"maxnreg": cap[0]} if cap else {})}
                 # the variant is the whole setting: no shape-dependent override replaces part of it
                 overrides = [table for table in (m.CHUNK_LAUNCH_SMALL_CHUNK, m.CHUNK_LAUNCH_FEW_PROGRAMS, getattr(m, "CHUNK_LAUNCH_FEWER_PROGRAMS", {})) if role in table]
                 popped = [table.pop(role) for table in overrides]

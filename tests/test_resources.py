@@ -111,7 +111,8 @@ def test_launch_settings_replace_the_modules_one_report_each():
 
 @pytest.mark.parametrize("setting, message", [
     ("bwd_outpt=64,8,1", "unknown kernel role 'bwd_outpt'; roles: apply, bwd_output"),
-    ("bwd_output=64,8", "bwd_output needs BV,WARPS,STAGES (three positive integers), got '64,8'"),
+    ("bwd_output=64,8", "bwd_output needs BV,WARPS,STAGES[,MAXNREG] (positive integers), got '64,8'"),
+    ("apply=128,4,2,300", "apply's MAXNREG must be 24..255 registers, got 300"),
 ])
 def test_bad_launch_setting_is_a_one_line_error(setting, message):
     result = subprocess.run([sys.executable, "-m", "lrdsl.resources", spec_path("gdn"), "--launch", setting],
@@ -141,3 +142,18 @@ def test_starved_means_under_half_the_registers_while_spilling():
     assert not row(255, 2000, 8).starved and not row(32, 0, 8).starved
     assert not row(64, 3000, 16).starved  # 16 warps: 128 registers a thread at most
     assert row(32, 3000, 16).starved and row(64, 3000, 16).register_cap == 128
+    # a launch's own register cap: half of it is the line
+    capped = KernelResources("k", "", 64, 3000, 0, 4, maxnreg=96)
+    assert capped.register_cap == 96 and not capped.starved
+    assert KernelResources("k", "", 40, 3000, 0, 4, maxnreg=96).starved
+
+
+def test_a_register_cap_in_the_launch_setting_reaches_ptxas():
+    """--launch ROLE=BV,WARPS,STAGES,MAXNREG compiles the role under that register cap (what
+    a launch with maxnreg= does): ptxas keeps every thread to it, spilling what does not fit."""
+    sections = compile_for_sm90(["gdn"], ["1,128,1,2,128,128"], "--chunk-size", "64", "--kernels", "apply",
+                                "--launch", "apply=128,4,2,128")
+    [(header, rows)] = sections.items()
+    assert header.endswith("launch apply=128,4,2,128"), header
+    registers = [int(row.split("regs")[1].split()[0]) for row in rows]
+    assert rows and all("maxnreg=128" in row for row in rows) and max(registers) <= 128, rows
