@@ -61,7 +61,8 @@ def test_buffer_tiles_load_just_before_their_first_reader(name):
                 continue
             reader = next(i for i in range(index + 1, len(lines)) if re.search(rf"\b{loaded.group(1)}\b", lines[i]))
             between = [text.strip() for text in lines[index + 1:reader]]
-            allowed = ("#", "for i_v in range", "o_v = ", "m_v = ")
+            # the guard of the kept narrowed copy's store, which reads the tile on its next line
+            allowed = ("#", "for i_v in range", "o_v = ", "m_v = ", "if narrowed_")
             stray = [text for text in between if text and not text.startswith(allowed) and "= tl.load(" not in text]
             assert not stray, f"{kernel}: {loaded.group(1)} is loaded {len(stray)} statements before its first reader: {stray[:3]}"
             checked += 1

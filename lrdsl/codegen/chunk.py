@@ -115,7 +115,7 @@ def _buffers(plan: Plan) -> list[dict]:
     ]
 
 
-def _launcher(prog: ChunkProgram, plan: Plan, copies: dict[str, tuple[str, ...]]) -> str:
+def _launcher(prog: ChunkProgram, plan: Plan, copies: dict[str, tuple[str, ...]] | None = None) -> str:
     buffers, calls = _buffers(plan), _calls(prog, plan, copies)
     # Each buffer is allocated just before its first user and released after the last user that
     # runs, unless the caller keeps it: the memory of a buffer the later kernels no longer read
