@@ -121,8 +121,9 @@ CHUNK_LAUNCH_FEWER_PROGRAMS = {"scan": {"BV": 16}, "bwd_scan": {"BV": 16}}
 #    per thread). Four interleaved rounds each (H200, one process, BENCHMARKS.md round 16): gdn
 #    4.493 -> 4.479 ms at 4 x 4096, 9.973 -> 9.956 at 1 x 32768, 5.539 -> 5.550 at 1 x 65536;
 #    deltanet 1.992 -> 1.969 / 4.757 -> 4.742, simple_gla 1.507 -> 1.484 / 3.327 -> 3.320 (4 x 4096
-#    / 1 x 32768, 16 heads). In a process that had run FLA's kernels first, the 2-stage kernel
-#    was 0.2-0.3 ms slower than there, the 1-stage one not (gdn 4.702 -> 4.471, 10.241 -> 9.929);
+#    / 1 x 32768, 16 heads). In processes that had run FLA's kernels first, the 2-stage kernel
+#    took 0.2-0.3 ms longer than in processes without them, the 1-stage one did not (there gdn
+#    went 4.702 -> 4.471 and 10.241 -> 9.929 ms);
 #    two stages had gained when first measured (7.27 -> 6.88 ms), on the larger kernel of then;
 #  - the system and output kernels run 2 warps (32-row tiles give 4 warps little to share):
 #    kda's forward 1.90 -> 1.59 ms, gla's 1.02 -> 0.86 ms (4 x 4096, H = HV = 16) together with
