@@ -30,7 +30,7 @@ OUT = os.environ.get("OUT", "/tmp")
 p = argparse.ArgumentParser()
 p.add_argument("--mods", default="mods/*.py")
 p.add_argument("--spec", default="specs/gdn.toml")  # the spec every module was compiled from
-p.add_argument("--shapes", default="4x4096x16x32,1x32768x16x32,1x65536x2x8")
+p.add_argument("--shapes", default="4x4096x16x32,1x32768x16x32,1x65536x2x8")  # BxTxHxHV[xKxV]
 p.add_argument("--backward", action="store_true")
 p.add_argument("--fla", action="store_true")
 p.add_argument("--both", action="store_true")  # forward, then forward + backward (one process)
@@ -102,12 +102,13 @@ if args.oracle:
 # --both: the forward rows first, then forward + backward, in one process (FLA autotunes once)
 for args.backward in ([False, True] if args.both else [args.backward]):
     for s in args.shapes.split(","):
-        B, T, H, HV = map(int, s.split("x"))
-        shape = Shape(B, T, H, HV, 128, 128)
+        B, T, H, HV, *head_dims = map(int, s.split("x"))  # BxTxHxHV, or BxTxHxHVxKxV (K = V = 128 if not given)
+        K, V = head_dims or (128, 128)
+        shape = Shape(B, T, H, HV, K, V)
         g = torch.Generator().manual_seed(0)
         ts = [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=g, normalize_keys=False)]
         leaves = [t.requires_grad_() for t in ts] if args.backward else ts
-        d_o = torch.randn(B, T, HV, 128, generator=g).to("cuda", torch.bfloat16)
+        d_o = torch.randn(B, T, HV, V, generator=g).to("cuda", torch.bfloat16)
         impls = ([("fla", fla)] if fla else []) + [(n, (lambda m: lambda *a, **kw: m.chunk(*a, precision=args.precision, **kw))(m))
                                                       for n, m in mods.items()]
         ref_out, rows = None, []
