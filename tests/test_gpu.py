@@ -153,7 +153,7 @@ def test_gpu_save_solve_at_the_backward_chunk_size(name, save_policy, generator)
 
 
 @pytest.mark.parametrize("K, V", [(256, 256), (200, 136), (128, 256)])
-@pytest.mark.parametrize("name", ["gdn", "simple_gla", "kda", "gla", "rwkv7"])
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "kda", "gla", "rwkv7"])
 def test_gpu_large_and_odd_head_dims(name, K, V, generator):
     """K > 128 at each module's default chunk size (largest_chunk_size: 32 for kda, rwkv7 there),
     and V = 256 at K = 128, where the wide-key launch settings do not apply and the backward

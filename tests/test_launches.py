@@ -181,11 +181,12 @@ def test_chunk_sizes_of_wide_inputs_fit_a_gpu_block():
     assert [largest(torch.float32, 256, "cpu"), largest(torch.float64, 256, "cpu")] == [64, 64]
 
 
-def _launch(monkeypatch, name, role, *, N, HV, BT, dtype=torch.bfloat16, K=128, precision="input"):
-    """The launch settings module `name` picks for `role` on a GPU of 132 multiprocessors (an H200)."""
+def _launch(monkeypatch, name, role, *, N, HV, BT, dtype=torch.bfloat16, K=128, precision="input", H=None):
+    """The launch settings module `name` picks for `role` on a GPU of 132 multiprocessors (an H200);
+    H: key heads (default HV: no grouped value heads)."""
     mod = module(name)
     monkeypatch.setattr(mod, "_multiprocessors", lambda q: 132)
-    call = dict(precision=precision, K=K, V=128, N=N, HV=HV, BT=BT, q=torch.empty(0, dtype=dtype))
+    call = dict(precision=precision, K=K, V=128, N=N, H=H or HV, HV=HV, BT=BT, q=torch.empty(0, dtype=dtype))
     return mod._launch(role, call)
 
 
@@ -209,6 +210,25 @@ def test_backward_output_widens_its_value_blocks_only_where_that_was_measured_to
 
     assert columns("gdn", 32) == 128
     assert columns("gdn", 64) == columns("gdn", 32, torch.float32) == columns("gla", 32) == 64
+
+
+def test_backward_output_keeps_its_registers_at_wide_keys_and_with_grouped_value_heads(monkeypatch):
+    """Settings at which ptxas gives the backward output kernel its registers (at the neighbouring
+    ones it fell back to 32 and ran ten times slower on the H200): at K > 128, 64 value columns on
+    8 warps, or on 16 with at most WIDE_K_FEW_PRODUCTS per-key-channel decayed products (gla;
+    kda keeps 32 on 8); with grouped value heads
+    below the largest chunk size, 32 columns on 16 warps for programs with more decayed products
+    than GROUPED_STARVED_PRODUCTS (rwkv7), and the small-chunk setting without groups."""
+    def setting(name, **options):
+        launch = _launch(monkeypatch, name, "bwd_output", N=4, **options)
+        return launch["BV"], launch["num_warps"], launch["num_stages"]
+
+    assert setting("gdn", HV=16, BT=32, K=256) == setting("deltanet", HV=16, BT=32, K=256) == (64, 8, 1)
+    assert setting("gla", HV=16, BT=32, K=256) == (64, 16, 1)
+    assert setting("kda", HV=16, BT=16, K=256) == setting("kda_fused_gate", HV=16, BT=16, K=256) == (32, 8, 1)
+    assert setting("rwkv7", H=16, HV=32, BT=16) == (32, 16, 1)
+    assert setting("rwkv7", HV=16, BT=16) == (64, 8, 2)
+    assert setting("kda", H=16, HV=32, BT=16) == setting("kda", HV=16, BT=16) == (64, 8, 2)
 
 
 def test_apply_takes_every_value_column_only_at_the_largest_chunk_of_a_scalar_gate(monkeypatch):

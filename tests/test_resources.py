@@ -132,18 +132,25 @@ def test_starved_compiles_are_flagged():
     assert wide and not any("STARVED" in row for row in wide), wide
 
 
-def test_no_backward_output_kernel_starves_at_the_default_settings():
-    """The largest kernel of every spec, compiled as a call without chunk_size launches it at
-    K = V = 128 (16 heads; gdn also with 32 value heads on 16 key heads), gets its registers: a
-    launch-table change that made ptxas fall back to 32 registers and kilobytes of spills per
-    thread (ten times a neighbouring setting's) fails here, before any GPU time. Known starved
-    settings outside these shapes (K = 256; rwkv7 with grouped value heads) are listed in
-    BENCHMARKS.md, rounds 15 and 16."""
-    for shape, names in (("1,128,16,16,128,128", list(ALL_SPECS)), ("1,128,16,32,128,128", ["gdn"])):
-        sections = compile_for_sm90(names, [shape], "--chunk-size", "default", "--kernels", "bwd_output")
-        rows = [row for section in sections.values() for row in section]
-        assert len(rows) >= len(names), sections
-        assert not [row for row in rows if "STARVED" in row], f"{shape}: {[row for row in rows if 'STARVED' in row]}"
+# Backward output kernels still starved at K = V = 256: rwkv7's (no launch setting tried keeps its
+# registers there, and its forward kernels starve too; BENCHMARKS.md round 17).
+STARVED_AT_K256 = {"rwkv7"}
+
+
+@pytest.mark.parametrize("shape, names", [
+    ("1,128,16,16,128,128", sorted(ALL_SPECS)),
+    ("1,128,16,32,128,128", sorted(ALL_SPECS)),
+    ("1,128,16,16,256,256", sorted(set(ALL_SPECS) - STARVED_AT_K256)),
+])
+def test_no_backward_output_kernel_starves_at_the_default_settings(shape, names):
+    """The largest kernel of every spec, compiled as a call without chunk_size launches it (16 key
+    heads; 16 or 32 value heads; K = V = 128, and 256), gets its registers: a launch-table change
+    that made ptxas fall back to 32 registers and kilobytes of spills per thread (ten times a
+    neighbouring setting's, and ten times the time on the H200) fails here, before any GPU time."""
+    sections = compile_for_sm90(names, [shape], "--chunk-size", "default", "--kernels", "bwd_output")
+    rows = [row for section in sections.values() for row in section]
+    assert len(rows) >= len(names), sections
+    assert not [row for row in rows if "STARVED" in row], f"{shape}: {[row for row in rows if 'STARVED' in row]}"
 
 
 def test_starved_means_under_half_the_registers_while_spilling():

@@ -51,7 +51,21 @@ CHUNK_LAUNCH_KEY_CHANNEL = {**CHUNK_LAUNCH, "apply": _APPLY_BY_64_COLUMNS}
 # 2 stages): the wider or deeper ones above were measured at K = 128 with 16-bit operands only.
 _CHECKED_WIDE = {"scan": {"BV": 32, "num_stages": 2}, "bwd_scan": {"BV": 32, "num_stages": 2},
                  "apply": {"BV": 64, "num_stages": 2}, "output": {"num_stages": 2}}
-CHUNK_LAUNCH_WIDE_K = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
+# The backward output kernel at K > 128 takes 64 value columns: at 32, ptxas gives up on it (32
+# registers per thread, 13.8-22.6 KB of spills; at 64 it keeps 255 and spills 1.3-2.2 KB), and it ran
+# ten times slower. H200, forward + backward at 2 x 4096, K = V = 256, 16 heads: gdn 45.17 -> 3.86
+# ms (87.21 -> 8.54 on 32 value heads), deltanet 40.67 -> 3.16, simple_gla 32.81 -> 2.29.
+# Programs with per-key-channel decayed products hold more C x K tiles, and which setting ptxas
+# starves differs among them: with at most WIDE_K_FEW_PRODUCTS of them (gla: 3) the kernel starves
+# at 32 columns on 8 warps (39,060 B of spills) and keeps 128 registers on 16 warps at 64 columns
+# (2,932 B): gla 49.96 -> 12.08 ms (same shape, 16 value heads). With more (the kda specs: 5) 32
+# columns on 8 warps keep 255 registers, and 64 on 16 starve kda_fused_gate's kernel (kda's not:
+# 14.59 -> 13.36 ms there), so they keep it; so does rwkv7 (10), which starves at every setting
+# tried at K = 256.
+CHUNK_LAUNCH_WIDE_K = {**_CHECKED_WIDE, "bwd_output": {"BV": 64, "num_warps": 8, "num_stages": 1}}
+WIDE_K_FEW_PRODUCTS = 3
+CHUNK_LAUNCH_WIDE_K_FEW_PRODUCTS = {**_CHECKED_WIDE, "bwd_output": {"BV": 64, "num_warps": 16, "num_stages": 1}}
+CHUNK_LAUNCH_WIDE_K_KEY_CHANNEL = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
 CHUNK_LAUNCH_FP32 = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
 # fp32 and fp64 inputs multiply in their own width whatever the precision: their tiles take twice
 # (four times) the shared memory of 16-bit ones, so none of the wider settings for 16-bit inputs
@@ -85,6 +99,15 @@ def backward_key_channel_products(item: BackwardPlan) -> int:
     prog = item.backward.graph.program
     output = next(k for k in item.backward.plans[0].kernels if k.name == "output")
     return sum(isinstance(prog.op(value), KEY_CHANNEL_OPS) for value in output.computes)
+
+
+def wide_key_launch(item: BackwardPlan) -> dict:
+    """The module's CHUNK_LAUNCH_WIDE_K (K > 128), by how many per-key-channel decayed products
+    the backward's output kernel computes."""
+    products = backward_key_channel_products(item)
+    if not products:
+        return CHUNK_LAUNCH_WIDE_K
+    return CHUNK_LAUNCH_WIDE_K_FEW_PRODUCTS if products <= WIDE_K_FEW_PRODUCTS else CHUNK_LAUNCH_WIDE_K_KEY_CHANNEL
 
 
 def largest_chunk_sizes(item: BackwardPlan) -> dict:
@@ -139,6 +162,16 @@ CHUNK_LAUNCH_FEWER_PROGRAMS = {"scan": {"BV": 16}, "bwd_scan": {"BV": 16}}
 CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": {"BV": 128, "num_stages": 1}, "system": {"num_warps": 2},
                             "output": {"num_warps": 2}, "apply": _APPLY_BY_64_COLUMNS,
                             "scan": {"num_stages": 3}}
+# With grouped value heads (HV > H) the backward output kernel also sums each key head's q and k
+# gradients over its value heads, and for programs with more decayed products than
+# GROUPED_STARVED_PRODUCTS (rwkv7: 10) ptxas then gives up at 64 columns and 8 warps below the
+# largest chunk size: 32 registers per thread and 8,296 B of spills (`python -m lrdsl.resources
+# SPEC --shape 1,128,16,32,128,128 --chunk-size default --kernels bwd_output`). 32 columns on 16
+# warps keep 128 registers and spill 1,274 B. H200, rwkv7 forward + backward at 2 x 4096 with 16 key
+# heads: 30.45 -> 16.05 ms on 32 value heads; on 16 (no groups, where the kernel has its 255
+# registers) the same setting was slower (5.92 -> 8.15 ms), so it applies with groups only.
+GROUPED_STARVED_PRODUCTS = 5
+CHUNK_LAUNCH_GROUPED_SMALL_CHUNK = {"bwd_output": {"BV": 32, "num_warps": 16, "num_stages": 1}}
 CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**{role: s for role, s in CHUNK_LAUNCH_SMALL_CHUNK.items() if role != "scan"},
                                         "bwd_output": {"num_stages": 2}}
 
