@@ -216,9 +216,9 @@ def test_backward_output_keeps_its_registers_at_wide_keys_and_with_grouped_value
     """Settings at which ptxas gives the backward output kernel its registers (at the neighbouring
     ones it fell back to 32 and ran ten times slower on the H200): at K > 128, 64 value columns on
     8 warps, or on 16 with at most WIDE_K_FEW_PRODUCTS per-key-channel decayed products (gla;
-    kda keeps 32 on 8); with grouped value heads
-    below the largest chunk size, 32 columns on 16 warps for programs with more decayed products
-    than GROUPED_STARVED_PRODUCTS (rwkv7), and the small-chunk setting without groups."""
+    kda keeps 32 on 8); with grouped value heads below the largest chunk size, 32 columns on 16
+    warps for programs with more decayed products than GROUPED_STARVED_PRODUCTS (rwkv7), and the
+    small-chunk setting without groups."""
     def setting(name, **options):
         launch = _launch(monkeypatch, name, "bwd_output", N=4, **options)
         return launch["BV"], launch["num_warps"], launch["num_stages"]

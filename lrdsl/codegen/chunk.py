@@ -18,21 +18,10 @@ from .kernels import (
     key_head_results,
 )
 from .launch import (
-    CHUNK_LAUNCH,
-    CHUNK_LAUNCH_KEY_CHANNEL,
-    CHUNK_LAUNCH_FEW_PROGRAMS,
-    CHUNK_LAUNCH_FEWER_PROGRAMS,
-    CHUNK_LAUNCH_FP32,
-    CHUNK_LAUNCH_GROUPED_SMALL_CHUNK,
-    CHUNK_LAUNCH_SMALL_CHUNK,
-    CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL,
-    CHUNK_LAUNCH_WIDE_INPUTS,
-    GROUPED_STARVED_PRODUCTS,
     backward_chunk_sizes,
-    backward_key_channel_products,
     forward_chunk_sizes,
     largest_chunk_sizes,
-    wide_key_launch,
+    launch_tables,
 )
 from .names import CHUNK_OPTIONS, forward_options, input_pointer, signature
 from .segments import segment_refusal
@@ -218,16 +207,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         default_plan=plans.default,
         plan_doc=[f"  {p.name}: {p.summary}: {' -> '.join(k.name for k in p.kernels)}" for p in plans.plans]
         + [f"  backward: {' -> '.join(k.name for k in item.backward.plans[0].kernels)} (the scan in reverse)"],
-        launch=repr(CHUNK_LAUNCH_KEY_CHANNEL if backward_key_channel_products(item) else CHUNK_LAUNCH),
-        launch_wide=repr(wide_key_launch(item)),
-        launch_fp32=repr(CHUNK_LAUNCH_FP32),
-        launch_wide_inputs=repr(CHUNK_LAUNCH_WIDE_INPUTS),
-        launch_few_programs=repr(CHUNK_LAUNCH_FEW_PROGRAMS),
-        launch_fewer_programs=repr(CHUNK_LAUNCH_FEWER_PROGRAMS),
-        launch_small_chunk=repr(CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL if backward_key_channel_products(item)
-                                else CHUNK_LAUNCH_SMALL_CHUNK),
-        launch_grouped_small_chunk=repr(CHUNK_LAUNCH_GROUPED_SMALL_CHUNK
-                                        if backward_key_channel_products(item) > GROUPED_STARVED_PRODUCTS else {}),
+        **{name: repr(table) for name, table in launch_tables(item).items()},
         largest_chunk_size=repr(largest),
         backward_chunk_size=repr(backward_chunk_sizes(item.backward, largest)),
         forward_chunk_size=repr(forward_chunk_sizes(plans, largest)),

@@ -101,15 +101,6 @@ def backward_key_channel_products(item: BackwardPlan) -> int:
     return sum(isinstance(prog.op(value), KEY_CHANNEL_OPS) for value in output.computes)
 
 
-def wide_key_launch(item: BackwardPlan) -> dict:
-    """The module's CHUNK_LAUNCH_WIDE_K (K > 128), by how many per-key-channel decayed products
-    the backward's output kernel computes."""
-    products = backward_key_channel_products(item)
-    if not products:
-        return CHUNK_LAUNCH_WIDE_K
-    return CHUNK_LAUNCH_WIDE_K_FEW_PRODUCTS if products <= WIDE_K_FEW_PRODUCTS else CHUNK_LAUNCH_WIDE_K_KEY_CHANNEL
-
-
 def largest_chunk_sizes(item: BackwardPlan) -> dict:
     """The generated module's LARGEST_CHUNK_SIZE, from what the backward's output kernel computes
     (how many per-key-channel decayed products), never from the spec's name."""
@@ -235,3 +226,24 @@ def _fits_registers(prog: ChunkProgram, plan: Plan, chunk: int, precision: str, 
         if peak > tolerance * launch["num_warps"] * REGISTER_FILE_BYTES_PER_WARP:
             return False
     return True
+
+
+def launch_tables(item: BackwardPlan) -> dict[str, dict]:
+    """The launch tables the generated module carries (by template name), chosen by how many
+    per-key-channel decayed products the backward's output kernel computes, never by the spec's
+    name."""
+    products = backward_key_channel_products(item)
+    if not products:
+        wide = CHUNK_LAUNCH_WIDE_K
+    else:
+        wide = CHUNK_LAUNCH_WIDE_K_FEW_PRODUCTS if products <= WIDE_K_FEW_PRODUCTS else CHUNK_LAUNCH_WIDE_K_KEY_CHANNEL
+    return {
+        "launch": CHUNK_LAUNCH_KEY_CHANNEL if products else CHUNK_LAUNCH,
+        "launch_wide": wide,
+        "launch_fp32": CHUNK_LAUNCH_FP32,
+        "launch_wide_inputs": CHUNK_LAUNCH_WIDE_INPUTS,
+        "launch_few_programs": CHUNK_LAUNCH_FEW_PROGRAMS,
+        "launch_fewer_programs": CHUNK_LAUNCH_FEWER_PROGRAMS,
+        "launch_small_chunk": CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL if products else CHUNK_LAUNCH_SMALL_CHUNK,
+        "launch_grouped_small_chunk": CHUNK_LAUNCH_GROUPED_SMALL_CHUNK if products > GROUPED_STARVED_PRODUCTS else {},
+    }
