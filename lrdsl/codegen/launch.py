@@ -62,11 +62,16 @@ _CHECKED_WIDE = {"scan": {"BV": 32, "num_stages": 2}, "bwd_scan": {"BV": 32, "nu
 # columns on 8 warps keep 255 registers, and 64 on 16 starve kda_fused_gate's kernel (kda's not:
 # 14.59 -> 13.36 ms there), so they keep it; so does rwkv7 (10), which starves at every setting
 # tried at K = 256.
-CHUNK_LAUNCH_WIDE_K = {**_CHECKED_WIDE, "bwd_output": {"BV": 64, "num_warps": 8, "num_stages": 1}}
+def _checked_wide(columns: int, warps: int) -> dict:
+    """_CHECKED_WIDE with the backward output kernel on `columns` value columns, `warps` warps, one stage."""
+    return {**_CHECKED_WIDE, "bwd_output": {"BV": columns, "num_warps": warps, "num_stages": 1}}
+
+
+CHUNK_LAUNCH_WIDE_K = _checked_wide(64, 8)
 WIDE_K_FEW_PRODUCTS = 3
-CHUNK_LAUNCH_WIDE_K_FEW_PRODUCTS = {**_CHECKED_WIDE, "bwd_output": {"BV": 64, "num_warps": 16, "num_stages": 1}}
-CHUNK_LAUNCH_WIDE_K_KEY_CHANNEL = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 8, "num_stages": 1}}
-CHUNK_LAUNCH_FP32 = {**_CHECKED_WIDE, "bwd_output": {"BV": 32, "num_warps": 4, "num_stages": 1}}
+CHUNK_LAUNCH_WIDE_K_FEW_PRODUCTS = _checked_wide(64, 16)
+CHUNK_LAUNCH_WIDE_K_KEY_CHANNEL = _checked_wide(32, 8)
+CHUNK_LAUNCH_FP32 = _checked_wide(32, 4)
 # fp32 and fp64 inputs multiply in their own width whatever the precision: their tiles take twice
 # (four times) the shared memory of 16-bit ones, so none of the wider settings for 16-bit inputs
 # apply (128 value columns for the backward output kernel would need 304,640 bytes at C = 32).
