@@ -187,3 +187,30 @@ def test_forward_chunk_size_follows_register_pressure(name, expected, monkeypatc
     assert ran == [expected]
     o_ref, _ = reference.run(recurrence(name), *[t.double() for t in tensors])
     assert relative_error(o, o_ref) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7"])
+def test_exclusive_gate_sums_are_differences_of_the_inclusive_one(name):
+    """A kernel that holds the gate's inclusive cumsum s takes the exclusive sums from it
+    (suffix: the chunk's total - s; prefix: s - g) instead of a C x C masked sum or a gather and
+    second scan; an exclusive sum with no inclusive sibling (the adjoint of the suffix sum) is
+    still summed directly."""
+    source = _generate(name)
+    differences = direct = 0
+    for kernel in re.findall(r"def (\w+_kernel)\(", source):
+        lines = _kernel(source, kernel)
+        for index, line in enumerate(lines):
+            summed = re.match(r"\s*# (\w+) = (reverse_)?exclusive_cumsum\((\w+)\)", line)
+            if not summed:
+                continue
+            out, x = summed.group(1), summed.group(3)
+            code = lines[index + 1]
+            inclusive = [m.group(1) for l in lines[:index] if (m := re.match(rf"\s*# (\w+) = cumsum\({x}\)$", l))]
+            if inclusive:
+                assert code.strip().startswith(f"b_{out} =") and f"b_{inclusive[0]}" in code and "tl.gather" not in code, code
+                assert "o_c[None, :]" not in code, f"{kernel}: {out} is a C x C sum beside {inclusive[0]}"
+                differences += 1
+            else:
+                assert "tl.cumsum" in lines[index + 2] or "o_c[None, :]" in code, f"{kernel}: {out} is not summed directly"
+                direct += 1
+    assert differences >= 3 and direct >= 1, (differences, direct)

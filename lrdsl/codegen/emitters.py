@@ -47,6 +47,7 @@ from .context import (
 )
 from .names import input_pointer
 from .printer import to_triton
+from .schedule import inclusive_sibling
 from .templating import render
 
 
@@ -160,8 +161,19 @@ def _broadcast(op: Broadcast, ctx: KernelContext) -> list[str]:
 
 @CHUNK_EMITTERS.register(Cumsum)
 def _cumsum(op: Cumsum, ctx: KernelContext) -> list[str]:
+    sibling = inclusive_sibling(ctx, op.out)
+    if sibling:
+        # the difference form of the exclusive sum, from the inclusive one this kernel already
+        # holds: s_i - x_i, or the chunk's total (its last row, which padded rows past the
+        # sequence end repeat) - s_i. Exactly 0 on the first (last) row; elsewhere the error is
+        # that of the chunk's total, as in the decay matrix's exp2(G_i - G_j)
+        s = var(sibling)
+        if not op.reverse:
+            return [f"{var(op.out)} = {s} - {var(op.x)}"]
+        last = "o_c == BT - 1" if op.shape == ("C",) else "(o_c == BT - 1)[:, None]"
+        return [f"{var(op.out)} = tl.sum(tl.where({last}, {s}, 0.0), axis=0) - {s}"]
     if op.exclusive:
-        # sum_{j < i} x_j (or j > i): a masked C x C sum, exact where inclusive-minus-x would cancel
+        # sum_{j < i} x_j (or j > i) with no inclusive sum at hand: a masked C x C sum
         rows_before = "o_c[None, :] > o_c[:, None]" if op.reverse else "o_c[None, :] < o_c[:, None]"
         x = var(op.x)
         if op.shape == ("C",):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sympy
 
 from ..errors import CompileError
-from ..ir.chunk import Formula, Load, MatMul, ReduceSum
+from ..ir.chunk import Cumsum, Formula, Load, MatMul, ReduceSum
 
 Place = tuple[str, int]
 
@@ -34,8 +34,33 @@ def is_loadable(ctx, value: str) -> bool:
     return value in ctx.kernel.loads or isinstance(ctx.prog.op(value), Load)
 
 
+def inclusive_sibling(ctx, value: str) -> str | None:
+    """For an exclusive cumsum: the inclusive prefix sum of the same values that this kernel
+    computes before it, or None. Its emitter then takes a difference instead of summing again:
+    sum_{j > i} x_j = (sum of the chunk) - s_i and sum_{j < i} x_j = s_i - x_i, where s is the
+    sibling (the scans of a gate share one inclusive cumsum this way)."""
+    op = ctx.prog.op(value)
+    if not isinstance(op, Cumsum) or not op.exclusive:
+        return None
+    for other in ctx.kernel.computes:
+        if other == value:
+            return None
+        candidate = ctx.prog.op(other)
+        if isinstance(candidate, Cumsum) and candidate.x == op.x and not candidate.reverse and not candidate.exclusive:
+            return other
+    return None
+
+
+def emitted_args(ctx, value: str) -> tuple[str, ...]:
+    """The values an op's code reads: its arguments, and the inclusive sibling an exclusive cumsum
+    is taken from (so that sibling is placed, and kept, where the cumsum's code can read it)."""
+    args = tuple(ctx.prog.op(value).args())
+    sibling = inclusive_sibling(ctx, value)
+    return args + (sibling,) if sibling else args
+
+
 def readers(ctx, value: str) -> list[str]:
-    return [v for v in ctx.kernel.computes if value in ctx.prog.op(v).args()]
+    return [v for v in ctx.kernel.computes if value in emitted_args(ctx, v)]
 
 
 def place_values(ctx) -> tuple[dict[str, Place], set[str]]:
@@ -70,7 +95,7 @@ def place_values(ctx) -> tuple[dict[str, Place], set[str]]:
             place[value] = ("sum", max(ready(a) for a in op.args()))
             accumulators.add(value)
         else:
-            place[value] = ("plain", max([ready(a) for a in op.args()], default=0))
+            place[value] = ("plain", max([ready(a) for a in emitted_args(ctx, value)], default=0))
     _sink_plain_values(ctx, place)
     return place, accumulators
 

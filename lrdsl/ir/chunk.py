@@ -129,8 +129,10 @@ class Broadcast(ChunkOp):
 @dataclass(frozen=True)
 class Cumsum(ChunkOp):
     """Prefix sum over the rows of the chunk (reverse: suffix sum); inclusive, or exclusive of
-    the row itself. An exclusive sum is summed directly, never as inclusive minus the row, so a
-    suffix that should be 0 is exactly 0 (its gradient would otherwise cancel large terms)."""
+    the row itself. An exclusive sum is its own op, not a formula of the inclusive one, so its
+    derivative is the exclusive adjoint sum (a formula `total - s` would route the gradient
+    through terms that cancel). Its code may still be a difference where the kernel holds the
+    inclusive sum (codegen.schedule.inclusive_sibling): exactly 0 on its first (last) row."""
 
     x: str
     reverse: bool = False

@@ -137,7 +137,7 @@ def _low_rank_chunk(b: Builder, rec: Recurrence, t: Tiles) -> ChunkProgram:
     CK = ("C", "K")
     read = b.add(MaskRows(b.fresh("a_masked"), CK, str(b.formula_of_inputs("a_t", rec.low_rank_read, CK))))
     write = b.add(MaskRows(b.fresh("b_masked"), CK, str(b.formula_of_inputs("b_t", rec.low_rank_write, CK))))
-    # the exclusive cumulative decay, summed directly (exactly 0 on the first row)
+    # the exclusive cumulative decay, an op of its own (exactly 0 on the first row)
     G_excl = b.formula("G_excl", b.add(Cumsum(b.fresh("g_cumsum_excl"), CK, str(t.g), exclusive=True)) * LOG2E, CK)
     A_ab = b.add(DecayedGram(b.fresh("ABt_decayed"), ("C", "C"), str(read), str(write), str(G_excl), False, str(t.G)))
     T = b.add(UnitLowerInverse(b.fresh("T"), ("C", "C"), str(b.formula("minus_ABt", -A_ab, ("C", "C")))))
@@ -231,8 +231,9 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     else:
         Vn = b.scale_rows("Vn", v, beta, ("C", "V"))
 
-    # -- exit state: H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn, where G_C - G is summed as the
-    #    exclusive suffix sum of g directly (exactly 0 on the last row, whatever G's magnitude)
+    # -- exit state: H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn, where G_C - G is the exclusive
+    #    suffix sum of g, an op of its own (exactly 0 on the last row; its adjoint is an exclusive
+    #    sum too, not a difference of large terms)
     if G is not None:
         to_end = b.add(Cumsum(b.fresh("g_to_end"), gate_shape, str(g), reverse=True, exclusive=True))
         decay_to_end = b.formula("decay_to_end", 2 ** (to_end * LOG2E), gate_shape)
