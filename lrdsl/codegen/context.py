@@ -9,6 +9,7 @@ fp32 or wider.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..ir.chunk import (
     COTANGENT,
@@ -21,7 +22,7 @@ from ..ir.chunk import (
 )
 from ..ir.plan import Kernel, Plan
 from .names import gradient_pointer
-from .schedule import readers
+from .schedule import reader_index, readers
 
 
 BLOCK_DIMS = {"C": "BT", "K": "BK", "V": "BV"}
@@ -67,6 +68,10 @@ class KernelContext:
     # dtype as it loads them: the copies the backward keeps (SavePolicy.narrowed), written here
     # instead of converted by a pass of their own after the kernel
     narrowed_copies: tuple[str, ...] = ()
+
+    @cached_property
+    def reader_index(self) -> dict[str, list[str]]:
+        return reader_index(self)
 
     def assign(self, value: str) -> str:
         return f"{var(value)} {'+=' if value in self.accumulators else '='} "

@@ -59,8 +59,18 @@ def emitted_args(ctx, value: str) -> tuple[str, ...]:
     return args + (sibling,) if sibling else args
 
 
+def reader_index(ctx) -> dict[str, list[str]]:
+    """value -> the values this kernel computes whose code reads it (emitted_args), in program
+    order: built once per kernel (KernelContext.reader_index), read many times."""
+    index: dict[str, list[str]] = {}
+    for value in ctx.kernel.computes:
+        for arg in dict.fromkeys(emitted_args(ctx, value)):
+            index.setdefault(arg, []).append(value)
+    return index
+
+
 def readers(ctx, value: str) -> list[str]:
-    return [v for v in ctx.kernel.computes if value in emitted_args(ctx, v)]
+    return ctx.reader_index.get(value, [])
 
 
 def place_values(ctx) -> tuple[dict[str, Place], set[str]]:
