@@ -189,28 +189,28 @@ def test_forward_chunk_size_follows_register_pressure(name, expected, monkeypatc
     assert relative_error(o, o_ref) <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7"])
-def test_exclusive_gate_sums_are_differences_of_the_inclusive_one(name):
-    """A kernel that holds the gate's inclusive cumsum s takes the exclusive sums from it
-    (suffix: the chunk's total - s; prefix: s - g) instead of a C x C masked sum or a gather and
-    second scan; an exclusive sum with no inclusive sibling (the adjoint of the suffix sum) is
-    still summed directly."""
+@pytest.mark.parametrize("name, differences, direct", [
+    ("gdn", 3, 1), ("simple_gla", 2, 1), ("retnet", 2, 0),  # retnet's constant gate has no gradient
+    ("kda", 0, 4), ("rwkv7", 0, 9),
+])
+def test_scalar_gate_suffix_sums_are_differences_of_the_inclusive_one(name, differences, direct):
+    """A kernel that holds a scalar gate's inclusive cumsum s takes the suffix sum from it (the
+    chunk's total - s) instead of a C x C masked sum; every other exclusive sum (the adjoint of
+    the suffix sum, per-key-channel gates' sums) is still summed directly."""
     source = _generate(name)
-    differences = direct = 0
+    found = summed_directly = 0
     for kernel in re.findall(r"def (\w+_kernel)\(", source):
         lines = _kernel(source, kernel)
         for index, line in enumerate(lines):
             summed = re.match(r"\s*# (\w+) = (reverse_)?exclusive_cumsum\((\w+)\)", line)
             if not summed:
                 continue
-            out, x = summed.group(1), summed.group(3)
-            code = lines[index + 1]
+            out, x, code = summed.group(1), summed.group(3), lines[index + 1]
             inclusive = [m.group(1) for l in lines[:index] if (m := re.match(rf"\s*# (\w+) = cumsum\({x}\)$", l))]
-            if inclusive:
-                assert code.strip().startswith(f"b_{out} =") and f"b_{inclusive[0]}" in code and "tl.gather" not in code, code
-                assert "o_c[None, :]" not in code, f"{kernel}: {out} is a C x C sum beside {inclusive[0]}"
-                differences += 1
-            else:
-                assert "tl.cumsum" in lines[index + 2] or "o_c[None, :]" in code, f"{kernel}: {out} is not summed directly"
-                direct += 1
-    assert differences >= 3 and direct >= 1, (differences, direct)
+            if "o_c[None, :]" in code or "tl.gather" in code:
+                summed_directly += 1
+                continue
+            assert summed.group(2) and inclusive and code.strip() == (
+                f"b_{out} = tl.sum(tl.where(o_c == BT - 1, b_{inclusive[0]}, 0.0), axis=0) - b_{inclusive[0]}"), (kernel, code)
+            found += 1
+    assert (found, summed_directly) == (differences, direct)

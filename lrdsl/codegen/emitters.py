@@ -163,15 +163,12 @@ def _broadcast(op: Broadcast, ctx: KernelContext) -> list[str]:
 def _cumsum(op: Cumsum, ctx: KernelContext) -> list[str]:
     sibling = inclusive_sibling(ctx, op.out)
     if sibling:
-        # the difference form of the exclusive sum, from the inclusive one this kernel already
-        # holds: s_i - x_i, or the chunk's total (its last row, which padded rows past the
-        # sequence end repeat) - s_i. Exactly 0 on the first (last) row; elsewhere the error is
-        # that of the chunk's total, as in the decay matrix's exp2(G_i - G_j)
+        # the suffix sum as a difference, from the inclusive sum s this kernel already holds: the
+        # chunk's total (its last row, which padded rows past the sequence end repeat) - s_i.
+        # Exactly 0 on the last row; elsewhere the error is that of the chunk's total, as in the
+        # decay matrix's exp2(G_i - G_j)
         s = var(sibling)
-        if not op.reverse:
-            return [f"{var(op.out)} = {s} - {var(op.x)}"]
-        last = "o_c == BT - 1" if op.shape == ("C",) else "(o_c == BT - 1)[:, None]"
-        return [f"{var(op.out)} = tl.sum(tl.where({last}, {s}, 0.0), axis=0) - {s}"]
+        return [f"{var(op.out)} = tl.sum(tl.where(o_c == BT - 1, {s}, 0.0), axis=0) - {s}"]
     if op.exclusive:
         # sum_{j < i} x_j (or j > i) with no inclusive sum at hand: a masked C x C sum
         rows_before = "o_c[None, :] > o_c[:, None]" if op.reverse else "o_c[None, :] < o_c[:, None]"

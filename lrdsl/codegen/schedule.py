@@ -35,12 +35,17 @@ def is_loadable(ctx, value: str) -> bool:
 
 
 def inclusive_sibling(ctx, value: str) -> str | None:
-    """For an exclusive cumsum: the inclusive prefix sum of the same values that this kernel
-    computes before it, or None. Its emitter then takes a difference instead of summing again:
-    sum_{j > i} x_j = (sum of the chunk) - s_i and sum_{j < i} x_j = s_i - x_i, where s is the
-    sibling (the scans of a gate share one inclusive cumsum this way)."""
+    """For an exclusive suffix sum of a C vector (a scalar gate's decay to the chunk's end): the
+    inclusive prefix sum s of the same values that this kernel computes before it, or None. Its
+    emitter then takes the difference sum_{j > i} x_j = (the chunk's total) - s_i instead of a
+    C x C masked sum per row.
+
+    Not for C x K gates: their exclusive sums are a gather and a scan either way, and as
+    differences ptxas compiled rwkv7's backward output kernel (C = 16, 16 warps) with 32
+    registers and 4.3 KB of spills per thread instead of 128 and 1.3 KB (lrdsl.resources;
+    tests/test_resources.py). (The exclusive prefix sums, the low-rank update's, are C x K.)"""
     op = ctx.prog.op(value)
-    if not isinstance(op, Cumsum) or not op.exclusive:
+    if not isinstance(op, Cumsum) or not (op.exclusive and op.reverse) or op.shape != ("C",):
         return None
     for other in ctx.kernel.computes:
         if other == value:

@@ -131,8 +131,9 @@ class Cumsum(ChunkOp):
     """Prefix sum over the rows of the chunk (reverse: suffix sum); inclusive, or exclusive of
     the row itself. An exclusive sum is its own op, not a formula of the inclusive one, so its
     derivative is the exclusive adjoint sum (a formula `total - s` would route the gradient
-    through terms that cancel). Its code may still be a difference where the kernel holds the
-    inclusive sum (codegen.schedule.inclusive_sibling): exactly 0 on its first (last) row."""
+    through terms that cancel). A scalar gate's suffix sum may still be emitted as a difference
+    where the kernel holds the inclusive sum (codegen.schedule.inclusive_sibling): exactly 0 on
+    its last row."""
 
     x: str
     reverse: bool = False
