@@ -168,7 +168,7 @@ def _cumsum(op: Cumsum, ctx: KernelContext) -> list[str]:
         # Exactly 0 on the last row; elsewhere the error is that of the chunk's total, as in the
         # decay matrix's exp2(G_i - G_j)
         s = var(sibling)
-        return [f"{var(op.out)} = tl.sum(tl.where(o_c == BT - 1, {s}, 0.0), axis=0) - {s}"]
+        return [f"{var(op.out)} = {last_row(s, op.shape)} - {s}"]
     if op.exclusive:
         # sum_{j < i} x_j (or j > i) with no inclusive sum at hand: a masked C x C sum
         rows_before = "o_c[None, :] > o_c[:, None]" if op.reverse else "o_c[None, :] < o_c[:, None]"
@@ -188,10 +188,16 @@ def _cumsum(op: Cumsum, ctx: KernelContext) -> list[str]:
     return [f"{var(op.out)} = tl.cumsum({var(op.x)}, axis=0{reverse})"]
 
 
+def last_row(x: str, shape) -> str:
+    """The chunk's last row of the tile x of `shape` (C or C x K; padded rows past the sequence
+    end repeat the last real value)."""
+    rows = "o_c == BT - 1" if shape == ("C",) else "(o_c == BT - 1)[:, None]"
+    return f"tl.sum(tl.where({rows}, {x}, 0.0), axis=0)"
+
+
 @CHUNK_EMITTERS.register(LastRow)
 def _last_row(op: LastRow, ctx: KernelContext) -> list[str]:
-    rows = "o_c == BT - 1" if op.shape == () else "(o_c == BT - 1)[:, None]"
-    return [f"{var(op.out)} = tl.sum(tl.where({rows}, {var(op.x)}, 0.0), axis=0)"]
+    return [f"{var(op.out)} = {last_row(var(op.x), ctx.shape(op.x))}"]
 
 
 def _lower(inclusive: bool) -> str:

@@ -137,7 +137,7 @@ def _low_rank_chunk(b: Builder, rec: Recurrence, t: Tiles) -> ChunkProgram:
     CK = ("C", "K")
     read = b.add(MaskRows(b.fresh("a_masked"), CK, str(b.formula_of_inputs("a_t", rec.low_rank_read, CK))))
     write = b.add(MaskRows(b.fresh("b_masked"), CK, str(b.formula_of_inputs("b_t", rec.low_rank_write, CK))))
-    # the exclusive cumulative decay, an op of its own (exactly 0 on the first row)
+    # the exclusive cumulative decay, summed directly (exactly 0 on the first row)
     G_excl = b.formula("G_excl", b.add(Cumsum(b.fresh("g_cumsum_excl"), CK, str(t.g), exclusive=True)) * LOG2E, CK)
     A_ab = b.add(DecayedGram(b.fresh("ABt_decayed"), ("C", "C"), str(read), str(write), str(G_excl), False, str(t.G)))
     T = b.add(UnitLowerInverse(b.fresh("T"), ("C", "C"), str(b.formula("minus_ABt", -A_ab, ("C", "C")))))
