@@ -36,12 +36,29 @@ def test_eager_sum_terms_die_where_they_are_added():
         assert not re.search(rf"\bb_{term}\b", later), f"{term} is read after it was added to its running sum"
 
 
-def test_q_and_k_are_loaded_after_the_backward_v_loop():
-    lines = _kernel(_generate("gdn"), "gdn_chunk_bwd_output_kernel")
-    loop = next(i for i, line in enumerate(lines) if "for i_v in range" in line)
-    for name in ("q_in", "k_in"):
-        load = next(i for i, line in enumerate(lines) if line.strip().startswith(f"b_{name} = tl.load("))
-        assert load > loop, f"{name} is loaded before the V loop and held across it"
+@pytest.mark.parametrize("name, issued", [("gdn", {"g", "q_in", "k_in"}), ("kda", {"g", "q_in", "k_in"}),
+                                           ("gdn_qwen35", {"a", "A_log", "dt_bias", "q_in", "k_in"}), ("rwkv7", {"b"})])
+def test_inputs_read_after_a_v_loop_are_loaded_before_it_in_their_storage_dtype(name, issued):
+    """The backward output kernel reads q, k and the gate inputs only after its V loop: their
+    loads are issued just before that loop, unconverted (16 bits held across it, not an fp32
+    tile), and each is converted after the loop, where its value is placed; nothing between the
+    load and the loop reads it."""
+    source = _generate(name)
+    kernel = f"{name}_chunk_bwd_output_kernel"
+    lines = _kernel(source, kernel)
+    found = set()
+    for index, line in enumerate(lines):
+        loaded = re.match(r"\s*b_(\w+) = tl\.load\((\w+) \+", line)
+        if not loaded or "ahead of the V loop" not in lines[index - 1]:
+            continue
+        value = loaded.group(1)
+        assert not re.search(r"\)\.to\(\w+\)$", line.rstrip()), f"{kernel}: {value} is converted as it is loaded"
+        loop = next(i for i in range(index + 1, len(lines)) if "for i_v in range" in lines[i])
+        readers = [i for i in range(index + 1, len(lines)) if re.search(rf"\bb_{value}\b", lines[i])]
+        assert readers and readers[0] > loop, f"{kernel}: {value} is read before the V loop it was issued ahead of"
+        assert lines[readers[0]].strip().startswith(f"b_{value} = b_{value}.to("), lines[readers[0]]
+        found.add(value)
+    assert found == issued, (kernel, found)
 
 
 @pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7"])
@@ -100,7 +117,8 @@ def test_tiles_held_in_their_stored_dtype_are_converted_where_read(name):
     registers (half the registers of fp32: the backward output kernel's K x V state tiles among
     them); every read converts it (to DOT_DTYPE in a matmul, to ACC in a formula: exact, so the
     results are bit for bit those of converting at the load), or copies it under a new name that
-    obeys the same rule."""
+    obeys the same rule, or is converted in place once (`b_k_in = b_k_in.to(ACC)`, an input
+    loaded ahead of a V loop)."""
     source = _generate(name)
     held = 0
     for kernel in [k for k in re.findall(r"def (\w+_kernel)\(", source) if "_chunk_" in k]:
@@ -111,6 +129,8 @@ def test_tiles_held_in_their_stored_dtype_are_converted_where_read(name):
             tile = pending.pop()
             for line in lines:
                 code = line.split("#")[0]
+                if re.match(rf"\s*{tile} = {tile}\.to\((ACC|DOT_DTYPE)\)$", code):
+                    break  # converted in place (an input loaded ahead of a V loop): read converted below
                 if re.match(rf"\s*{tile} = ", code):  # its load, or the copy that defines it
                     continue
                 copy = re.match(rf"\s*(b_\w+) = {tile}$", code)

@@ -64,6 +64,7 @@ class KernelContext:
     kernel: Kernel
     accumulators: frozenset = frozenset()  # values summed over the V loop: `+=` instead of `=`
     eager: dict = field(default_factory=dict)  # term -> (sum, starts it): schedule.eager_sums
+    issued_early: frozenset = frozenset()  # input loads issued before the V loop ahead of their segment
     # buffers this kernel, their last reader in the forward call, also writes in the matmul operand
     # dtype as it loads them: the copies the backward keeps (SavePolicy.narrowed), written here
     # instead of converted by a pass of their own after the kernel

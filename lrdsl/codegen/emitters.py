@@ -55,6 +55,30 @@ CHUNK_EMITTERS = TypeRegistry("chunk kernel emitter", CompileError)
 SOLVE_BLOCK = 16  # the triangular solve works on 16 x 16 blocks
 
 
+def input_load(op: Load, ctx: KernelContext) -> tuple[str, str, str, str | None] | None:
+    """(pointer, offsets, mask, register dtype) of the memory read behind a Load: a call input's
+    tile, row or head value. None for `scale` and the head index h, which read no memory."""
+    if op.source == "scale" or op.source == str(HEAD_INDEX):
+        return None
+    if op.source in ("q", "k"):
+        return (op.source, *tile_address(op.shape, "H", "i_h", "K"), ctx.load_dtype(op.out))
+    if op.source in ("v", COTANGENT):
+        pointer = "v" if op.source == "v" else COTANGENT_POINTER
+        return (pointer, *tile_address(op.shape, "HV", "i_hv", "V"), ctx.load_dtype(op.out))
+    if op.source.startswith(SAVED):
+        offsets, mask = buffer_address(op.shape, made_elsewhere=ctx.kernel.kind == "chunk")
+        return (saved_param(op.source), offsets, mask, ctx.load_dtype(op.out))
+    pointer = input_pointer(op.source)
+    role = ctx.prog.recurrence.input(op.source).role
+    if role is InputRole.HEAD:
+        return (pointer, "i_hv", "", "ACC")
+    if role is InputRole.TOKEN:
+        return (pointer, *tile_address(op.shape, "HV", "i_hv", ""), "ACC")
+    if role is InputRole.TOKEN_KEY:  # [B, T, HV, K]: like v, by value head
+        return (pointer, *tile_address(op.shape, "HV", "i_hv", "K"), "ACC")
+    return (pointer, "i_hv * K + o_k", "m_k", "ACC")  # HEAD_KEY: [HV, K]
+
+
 @CHUNK_EMITTERS.register(Load)
 def _load(op: Load, ctx: KernelContext) -> list[str]:
     target = var(op.out)
@@ -62,25 +86,10 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
         return [f"{target} = scale"]
     if op.source == str(HEAD_INDEX):
         return [f"{target} = i_hv.to(ACC)  # the value-head index h"]
-    if op.source in ("q", "k"):
-        offsets, mask = tile_address(op.shape, "H", "i_h", "K")
-        return [load_line(target, op.source, offsets, mask, ctx.load_dtype(op.out))]
-    if op.source in ("v", COTANGENT):
-        offsets, mask = tile_address(op.shape, "HV", "i_hv", "V")
-        return [load_line(target, "v" if op.source == "v" else COTANGENT_POINTER, offsets, mask, ctx.load_dtype(op.out))]
-    if op.source.startswith(SAVED):
-        offsets, mask = buffer_address(op.shape, made_elsewhere=ctx.kernel.kind == "chunk")
-        return [load_line(target, saved_param(op.source), offsets, mask, ctx.load_dtype(op.out))]
-    role = ctx.prog.recurrence.input(op.source).role
-    if role is InputRole.HEAD:
-        return [load_line(target, input_pointer(op.source), "i_hv", "")]
-    if role is InputRole.TOKEN:
-        offsets, mask = tile_address(op.shape, "HV", "i_hv", "")
-        return [load_line(target, input_pointer(op.source), offsets, mask)]
-    if role is InputRole.TOKEN_KEY:  # [B, T, HV, K]: like v, by value head
-        offsets, mask = tile_address(op.shape, "HV", "i_hv", "K")
-        return [load_line(target, input_pointer(op.source), offsets, mask)]
-    return [load_line(target, input_pointer(op.source), "i_hv * K + o_k", "m_k")]  # HEAD_KEY: [HV, K]
+    pointer, offsets, mask, dtype = input_load(op, ctx)
+    if op.out in ctx.issued_early:  # loaded before the previous V loop, in the dtype it is stored in
+        return [f"{target} = {target}.to({dtype})"] if dtype else []
+    return [load_line(target, pointer, offsets, mask, dtype)]
 
 
 @CHUNK_EMITTERS.register(StateIn)

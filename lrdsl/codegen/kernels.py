@@ -26,6 +26,7 @@ from .context import (
     buffer_param,
     emit_buffer_load,
     emit_buffer_store,
+    load_line,
     narrowed_param,
     read_in_acc,
     read_only_by_solves,
@@ -35,7 +36,7 @@ from .context import (
     tile_address,
     var,
 )
-from .emitters import CHUNK_EMITTERS
+from .emitters import CHUNK_EMITTERS, input_load
 from .names import input_pointer
 from .schedule import (
     eager_sums,
@@ -175,12 +176,41 @@ def emit_scan_body(ctx: KernelContext) -> list[str]:
     return lines
 
 
+def issue_loads_early(ctx: KernelContext, place: dict, count: int) -> list[list[str]]:
+    """Per plain segment i, the loads of the call inputs it reads first, issued at the end of
+    segment i - 1, ahead of V loop i - 1, in the dtype they are stored in (16 bits for 16-bit
+    inputs: half an fp32 tile's registers while the loop runs); the value's own line in
+    segment i converts it. A chunk kernel runs few programs per multiprocessor, so a load
+    issued where its tile is first read stalls the program for the whole memory latency; issued
+    before the loop it arrives while the loop works (gdn's backward output kernel loads q, k and
+    g after its V loop: forward + backward 2-3 % faster, BENCHMARKS.md round 20). Only one loop
+    ahead: a tile held across several loops would cost registers through all of them. Sets
+    ctx.issued_early, which the Load emitter reads."""
+    early: list[list[str]] = [[] for _ in range(count + 1)]
+    issued = set()
+    for value in ctx.kernel.computes:
+        op = ctx.prog.op(value)
+        kind, index = place[value]
+        if not isinstance(op, Load) or kind != "plain" or index == 0:
+            continue
+        where = input_load(op, ctx)
+        if where is None:  # scale, the head index: no memory read
+            continue
+        pointer, offsets, mask, _ = where
+        early[index] += [f"# {value} = {op.describe()}   (issued here, ahead of the V loop: converted where it is read)",
+                         load_line(var(value), pointer, offsets, mask, None)]
+        issued.add(value)
+    ctx.issued_early = frozenset(issued)
+    return early
+
+
 def emit_chunk_body(ctx: KernelContext) -> list[str]:
     """A chunk-parallel kernel's body: plain segments and loops over blocks of V columns."""
     place, accumulators = place_values(ctx)
     ctx.accumulators = frozenset(accumulators)
     ctx.eager = eager_sums(ctx, place)
     count = 1 + max((i for kind, i in place.values() if kind != "plain"), default=-1)
+    early = issue_loads_early(ctx, place, count)
     plain: list[list[str]] = [[] for _ in range(count + 1)]
     loops: list[list[str]] = [[] for _ in range(count)]
     loaded_in_loop: list[set[str]] = [set() for _ in range(count)]
@@ -228,6 +258,8 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
     body = []
     for index in range(count + 1):
         body.extend(indent(plain[index], 4).split("\n") if plain[index] else [])
+        if index < count and early[index + 1]:
+            body.extend(indent(early[index + 1], 4).split("\n"))
         if index < count:
             body += [
                 "",
