@@ -156,7 +156,7 @@ def _prove(spec_path: str, backward: bool = True) -> int:
     from .prove import prove, prove_backward
     from .specs_registry import load_spec_by_name as load_spec
 
-    stages = run_pipeline(load_spec(spec_path), until="backward")
+    stages = run_pipeline(load_spec(spec_path), until="backward_factored")
     prog = stages["chunk"]
     if isinstance(prog, NoChunkForm):
         raise LrdslError(prog.describe())
@@ -174,7 +174,7 @@ def _prove(spec_path: str, backward: bool = True) -> int:
     report(prove(prog), "entries of O and the exit state")
     if backward:
         print(f"{prog.recurrence.name}: backward chunk program == sympy.diff of the unrolled recurrence")
-        report(prove_backward(prog, stages["backward"]), "gradient entries")
+        report(prove_backward(prog, stages["backward_factored"]), "gradient entries")
     return 1 if failed else 0
 
 

@@ -39,11 +39,13 @@ def stages(name):
 
 # -- the autodiff pass ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("stage", ["backward", "backward_factored"])
 @pytest.mark.parametrize("name", CHUNKED)
-def test_backward_program_is_the_vjp_of_the_chunk_program(name, generator):
-    """IR level, float64: the backward program equals torch.autograd through the forward program."""
+def test_backward_program_is_the_vjp_of_the_chunk_program(name, stage, generator):
+    """IR level, float64: the backward program (as derived, and with its scalar factors moved
+    onto sums) equals torch.autograd through the forward program."""
     st = stages(name)
-    forward, backward = st["chunk"], st["backward"]
+    forward, backward = st["chunk"], st[stage]
     verify(backward)
     sizes, valid = {"C": 8, "K": 5, "V": 4}, 6
     env = {}
@@ -86,10 +88,11 @@ def test_backward_program_is_the_vjp_of_the_chunk_program(name, generator):
         torch.testing.assert_close(got[value], want, rtol=1e-10, atol=1e-12, msg=f"{name} {role}")
 
 
+@pytest.mark.parametrize("stage", ["backward", "backward_factored"])
 @pytest.mark.parametrize("name", CHUNKED)
-def test_backward_symbolic_proof(name):
+def test_backward_symbolic_proof(name, stage):
     st = stages(name)
-    for result in prove_backward(st["chunk"], st["backward"]):
+    for result in prove_backward(st["chunk"], st[stage]):
         assert result.ok, f"{name}: C={result.C} rows={result.rows}: {result.failures}"
         assert result.entries > 0
 

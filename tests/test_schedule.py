@@ -9,6 +9,7 @@ import torch
 
 from lrdsl import reference
 from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.codegen import schedule
 from lrdsl.runtime.loader import generate
 from lrdsl.spec import load_spec
 from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
@@ -36,11 +37,13 @@ def test_eager_sum_terms_die_where_they_are_added():
         assert not re.search(rf"\bb_{term}\b", later), f"{term} is read after it was added to its running sum"
 
 
-@pytest.mark.parametrize("name, issued", [("gdn", {"g", "q_in", "k_in"}), ("kda", {"g", "q_in", "k_in"}),
-                                           ("gdn_qwen35", {"a", "A_log", "dt_bias", "q_in", "k_in"}), ("rwkv7", {"b"})])
+@pytest.mark.parametrize("name, issued", [("gdn", {"g", "q_in", "k_in", "G_last"}), ("kda", {"g", "q_in", "k_in"}),
+                                           ("gdn_qwen35", {"a", "A_log", "dt_bias", "q_in", "k_in", "G_last"}),
+                                           ("rwkv7", {"b"})])
 def test_inputs_read_after_a_v_loop_are_loaded_before_it_in_their_storage_dtype(name, issued):
-    """The backward output kernel reads q, k and the gate inputs only after its V loop: their
-    loads are issued just before that loop, unconverted (16 bits held across it, not an fp32
+    """The backward output kernel reads q, k and the gate inputs (and a scalar gate's saved
+    chunk total, whose factor moved onto a sum) only after its V loop: their loads are issued
+    just before that loop, unconverted (16 bits held across it, not an fp32
     tile), and each is converted after the loop, where its value is placed; nothing between the
     load and the loop reads it."""
     source = _generate(name)
@@ -141,7 +144,9 @@ def test_tiles_held_in_their_stored_dtype_are_converted_where_read(name):
                     assert use.group(1), f"{name} {kernel}: {tile} is read unconverted: {code.strip()}"
     if name == "gdn":
         lines = _kernel(source, "gdn_chunk_bwd_output_kernel")
-        assert {"b_H", "b_d_H_next", "b_v", "b_d_O"} <= set(_storage_dtype_tiles(lines))
+        assert {"b_H", "b_d_H_next", "b_v"} <= set(_storage_dtype_tiles(lines))
+        # d_O, its scale moved onto the sums (factor_scalars), feeds only matmuls: operand dtype
+        assert any(re.match(r"\s*b_d_O = tl\.load\(.*\)\.to\(DOT_DTYPE\)$", line) for line in lines)
     assert held > 0, f"{name}: no tile is held in its stored dtype"
 
 

@@ -43,6 +43,7 @@ from .schedule import (
     first_reader_segment,
     has_v,
     is_loadable,
+    loads_issued_early,
     place_values,
 )
 from .templating import indent, render
@@ -177,29 +178,16 @@ def emit_scan_body(ctx: KernelContext) -> list[str]:
 
 
 def issue_loads_early(ctx: KernelContext, place: dict, count: int) -> list[list[str]]:
-    """Per plain segment i, the loads of the call inputs it reads first, issued at the end of
-    segment i - 1, ahead of V loop i - 1, in the dtype they are stored in (16 bits for 16-bit
-    inputs: half an fp32 tile's registers while the loop runs); the value's own line in
-    segment i converts it. A chunk kernel runs few programs per multiprocessor, so a load
-    issued where its tile is first read stalls the program for the whole memory latency; issued
-    before the loop it arrives while the loop works (gdn's backward output kernel loads q, k and
-    g after its V loop: forward + backward 2-3 % faster, BENCHMARKS.md round 20). Only one loop
-    ahead: a tile held across several loops would cost registers through all of them. Sets
-    ctx.issued_early, which the Load emitter reads."""
+    """Per plain segment i, the loads schedule.loads_issued_early issues at the end of segment
+    i - 1 (unconverted); sets ctx.issued_early, so the Load emitter writes only the conversion
+    where the value is placed."""
     early: list[list[str]] = [[] for _ in range(count + 1)]
-    issued = set()
-    for value in ctx.kernel.computes:
+    issued = loads_issued_early(ctx, place)
+    for value, index in issued.items():
         op = ctx.prog.op(value)
-        kind, index = place[value]
-        if not isinstance(op, Load) or kind != "plain" or index == 0:
-            continue
-        where = input_load(op, ctx)
-        if where is None:  # scale, the head index: no memory read
-            continue
-        pointer, offsets, mask, _ = where
+        pointer, offsets, mask, _ = input_load(op, ctx)
         early[index] += [f"# {value} = {op.describe()}   (issued here, ahead of the V loop: converted where it is read)",
                          load_line(var(value), pointer, offsets, mask, None)]
-        issued.add(value)
     ctx.issued_early = frozenset(issued)
     return early
 

@@ -14,6 +14,8 @@ spilled to local memory, which costs more than recomputing it), so two rules kee
   - eager sums: a gradient summed from several contributions (d_k = d_k_via_QKt + d_k_via_KKt
     + ...) is accumulated as each contribution is computed, so one running tile lives instead
     of every contribution until the last one exists.
+Loads are the exception to sinking's "as late as possible": an input read first after a V loop
+is loaded before that loop (loads_issued_early), 16 bits held to hide the memory latency.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import sympy
 
 from ..errors import CompileError
 from ..ir.chunk import Cumsum, Formula, Load, MatMul, ReduceSum
+from ..ir.formula import HEAD_INDEX
 
 Place = tuple[str, int]
 
@@ -113,6 +116,24 @@ def place_values(ctx) -> tuple[dict[str, Place], set[str]]:
             place[value] = ("plain", max([ready(a) for a in emitted_args(ctx, value)], default=0))
     _sink_plain_values(ctx, place)
     return place, accumulators
+
+
+def loads_issued_early(ctx, place: dict[str, Place]) -> dict[str, int]:
+    """value -> plain segment i (i > 0) for the call inputs a kernel reads first in segment i:
+    their loads are issued at the end of segment i - 1, ahead of V loop i - 1, in the dtype they
+    are stored in, and converted in segment i where the value is placed. A chunk kernel runs few
+    programs per multiprocessor, so a load issued where its tile is first read stalls the program
+    for the whole memory latency; issued before the loop it arrives while the loop works (gdn's
+    backward output kernel loads q, k and g after its V loop: forward + backward 2-3 % faster,
+    BENCHMARKS.md round 20). One loop ahead only: a tile held across several loops would cost
+    registers through all of them. (`scale` and the head index read no memory.)"""
+    early = {}
+    for value in ctx.kernel.computes:
+        op = ctx.prog.op(value)
+        kind, index = place[value]
+        if isinstance(op, Load) and kind == "plain" and index > 0 and op.source not in ("scale", str(HEAD_INDEX)):
+            early[value] = index
+    return early
 
 
 def first_reader_segment(ctx, place: dict[str, Place], value: str) -> int | None:

@@ -12,6 +12,7 @@ from .canonicalize import canonicalize
 from .autodiff import autodiff
 from .derive_chunk import derive_chunk
 from .derive_step import derive_step
+from .factor_scalars import factor_scalars
 from .plan import plan_kernels
 from .save_policy import choose_saved
 from .stage_graph import build_stage_graph
@@ -37,7 +38,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("stages", "chunk", build_stage_graph, "phases need the whole chunk program: what reads the entry state, what leads to the exit"),
     Pass("plan", "stages", plan_kernels, "grouping into kernels needs the phases and which values are costly to recompute"),
     Pass("backward", "plan", autodiff, "after planning: the backward reads back what the forward plans store instead of recomputing it"),
-    Pass("backward_stages", "backward", build_stage_graph, "the backward is a chunk program like the forward: the same phases, its scan in reverse"),
+    Pass("backward_factored", "backward", factor_scalars, "on the derived adjoints, whose tiles it rescales: before phases and kernels, so the sums it adds are planned like any value"),
+    Pass("backward_stages", "backward_factored", build_stage_graph, "the backward is a chunk program like the forward: the same phases, its scan in reverse"),
     Pass("backward_plan", "backward_stages", plan_kernels, "the same kernel grouping rules as the forward"),
     Pass("save", ("plan", "backward_plan"), choose_saved, "last: what to keep from the forward depends on both sides' kernels"),
 )
