@@ -175,6 +175,20 @@ def test_live_tiles_grow_with_the_chunk_and_the_backward_output_holds_most():
     assert peak_tile_bytes(backward["output"], 64, 128, 64, operand_bytes=4) > output[2]
 
 
+def test_inputs_loaded_ahead_of_a_v_loop_count_through_it(monkeypatch):
+    """gdn's backward output kernel holds q, k (16-bit C x K), g and G_last through its V loop: the
+    estimate counts them from their early load to their conversion."""
+    from lrdsl.codegen import pressure
+
+    _, _, backward = _contexts("gdn")
+    ctx = backward["output"]
+    place, _ = schedule.place_values(ctx)
+    assert set(schedule.loads_issued_early(ctx, place)) == {"g", "q_in", "k_in", "G_last"}
+    held = pressure.peak_tile_bytes(ctx, 32, 128, 128)
+    monkeypatch.setattr(pressure, "loads_issued_early", lambda ctx, place: {})
+    assert held - pressure.peak_tile_bytes(ctx, 32, 128, 128) >= 2 * 32 * 128 * 2  # at least q and k, 16 bits
+
+
 @pytest.mark.parametrize("name, expected", [("gdn", 32), ("deltanet", 32), ("simple_gla", 32), ("linear_attn", 64), ("rwkv7", 16)])
 def test_backward_chunk_size_follows_register_pressure(name, expected):
     """The largest chunk size whose backward kernels fit their registers (within the tolerance):

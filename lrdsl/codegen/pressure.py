@@ -11,7 +11,8 @@ loops; schedule.eager_sums: running sums) and adds up the tiles live at each poi
     key-head program sums over its value heads live through the whole kernel. A reader is what
     the emitted code reads (chunk.emitted_args: an L2-norm adjoint reads the normalised rows),
     and a tile held in its stored dtype (KernelContext.in_storage_dtype) counts at the inputs'
-    width.
+    width, as does an input loaded a V loop ahead of its segment (schedule.loads_issued_early)
+    until its conversion.
 The estimate counts values, not Triton's temporaries or layout conversions, so it is a lower
 bound; its use is comparing chunk sizes and kernels of one spec, not predicting spills exactly.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 from ..passes.plan import FP32_BUFFER_SHAPES
 from .emitters import emitted_args
 from .kernels import key_head_results
-from .schedule import eager_sums, is_loadable, place_values
+from .schedule import eager_sums, is_loadable, loads_issued_early, place_values
 
 ACC_BYTES = 4  # a tile's elements are fp32 unless a loaded value stays in the matmul dtype
 
@@ -69,6 +70,13 @@ def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes:
     for total in running_sums:  # a running sum lives from its first term on
         first = min(start(t) for t, (s, _) in eager.items() if s == total)
         intervals.append((first, end(total), _tile_bytes(ctx, total, dims, operand_bytes)))
+    # inputs loaded a V loop ahead of their segment: held unconverted (16 bits for 16-bit inputs)
+    # from the end of the segment before that loop to their conversion
+    for value, index in loads_issued_early(ctx, place).items():
+        size = 1
+        for axis in ctx.shape(value):
+            size *= dims[axis]
+        intervals.append(((2 * index - 2, len(order)), start(value), size * operand_bytes))
     # the q/k gradients a key-head program sums over its value heads
     group_sums = sum(_tile_bytes(ctx, value, dims, operand_bytes) for _, value in key_head_results(ctx))
     points = sorted({s for s, _, _ in intervals})
