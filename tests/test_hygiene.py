@@ -157,7 +157,7 @@ def test_namespaces_hold_only_their_names():
                     ), f"{spec}: {name} uses the prefix {prefix!r} of input names"
         if isinstance(stages["chunk"], NoChunkForm):
             continue
-        values = {op.out for key in ("chunk", "backward") for op in stages[key].ops}
+        values = {op.out for key in ("chunk", "backward_factored") for op in stages[key].ops}
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.FunctionDef) and re.search(r"_chunk\w*_kernel$", node.name):
                 for name in code_names(ast.unparse(node)):

@@ -17,7 +17,8 @@ its scaled operand: its result has a V axis, and multiplying it would put the fa
 scan's chain from state to state.
 
 A rewritten value keeps its name (its readers are unchanged); the unscaled sum is
-`<name>_unscaled`, and a tile formula left with only some of its factors `<tile>_unscaled`. A
+`<name>_unscaled`, and a tile formula left with only some of its factors `<tile>_unscaled`
+(with underscores appended where a value, an input's, already has that name). A
 scaled operand no other op reads is dropped.
 """
 from __future__ import annotations
@@ -61,6 +62,15 @@ def split_scalar_factors(expr: sympy.Expr, rank0: set[str]) -> tuple[sympy.Expr,
     return sympy.Mul(*scalar), sympy.Mul(*rest)
 
 
+def _fresh(ops: list[ChunkOp], name: str) -> str:
+    """`name`, or `name` with underscores appended until no value has it (an input may be called
+    d_W_via_WH_unscaled: inputs keep their names)."""
+    taken = {op.out for op in ops}
+    while name in taken:
+        name += "_"
+    return name
+
+
 def _readers(ops: list[ChunkOp], value: str) -> list[ChunkOp]:
     return [op for op in ops if value in op.args()]
 
@@ -88,11 +98,11 @@ def _factor_sum(ops: list[ChunkOp], op: ReduceSum, rank0: set[str]) -> list[Chun
         return ops
     scalar, rest = found
     tile = next(o for o in ops if o.out == op.x)
-    unscaled_sum = f"{op.out}_unscaled"
+    unscaled_sum = _fresh(ops, f"{op.out}_unscaled")
     if isinstance(rest, sympy.Symbol):
         summed, new_tile = str(rest), []
     else:
-        summed = f"{op.x}_unscaled"
+        summed = _fresh(ops + [ReduceSum(unscaled_sum, op.shape, op.x, op.axes)], f"{op.x}_unscaled")
         new_tile = [Formula(summed, tile.shape, rest)]
     ops = _replace_op(ops, tile, new_tile)
     return _replace_op(ops, op, [ReduceSum(unscaled_sum, op.shape, summed, op.axes),
@@ -109,6 +119,6 @@ def _factor_matmul(ops: list[ChunkOp], op: MatMul, rank0: set[str]) -> list[Chun
         operands.append(operand)
     if scalar == 1:
         return ops
-    unscaled = f"{op.out}_unscaled"
+    unscaled = _fresh(ops, f"{op.out}_unscaled")
     return _replace_op(ops, op, [replace(op, out=unscaled, a=operands[0], b=operands[1]),
                                  Formula(op.out, op.shape, scalar * sympy.Symbol(unscaled))])
