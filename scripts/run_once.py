@@ -1,0 +1,26 @@
+"""Run a generated gdn module's forward + backward a few times on the GPU (a target for ncu).
+
+    python scripts/run_once.py gdn_ops.py 4x4096x16x32 [CALLS]      # BxTxHxHV, K = V = 128, bf16
+"""
+import importlib.util, os, sys
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from lrdsl.passes.pipeline import run_pipeline
+from lrdsl.spec import load_spec
+from lrdsl.workloads import Shape, make_inputs
+
+rec = run_pipeline(load_spec("specs/gdn.toml"), until="recurrence")["recurrence"]
+spec = importlib.util.spec_from_file_location("module", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+B, T, H, HV = map(int, sys.argv[2].split("x"))
+generator = torch.Generator().manual_seed(0)
+inputs = [t.cuda().requires_grad_() for t in make_inputs(rec, Shape(B, T, H, HV, 128, 128), dtype=torch.bfloat16,
+                                                          generator=generator, normalize_keys=False)]
+d_o = torch.randn(B, T, HV, 128, generator=generator).to("cuda", torch.bfloat16)
+for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 1):
+    o, _ = module.chunk(*inputs, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    torch.autograd.grad(o, inputs, d_o)
+torch.cuda.synchronize()
