@@ -246,9 +246,8 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
     body = []
     for index in range(count + 1):
         body.extend(indent(plain[index], 4).split("\n") if plain[index] else [])
-        if index < count and early[index + 1]:
-            body.extend(indent(early[index + 1], 4).split("\n"))
         if index < count:
+            body.extend(indent(early[index + 1], 4).split("\n") if early[index + 1] else [])  # the next segment's loads
             body += [
                 "",
                 "    for i_v in range(0, tl.cdiv(V, BV)):",
