@@ -339,3 +339,27 @@ def test_show_takes_a_shipped_spec_by_name(tmp_path):
     result = run(["show", "gdn", "--stage", "recurrence"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("recurrence gdn")
+
+
+STALLS_SCRIPT = ROOT / "scripts" / "ncu_stalls.py"
+
+
+def test_ncu_stall_summary_of_a_sass_view(tmp_path):
+    """scripts/ncu_stalls.py on the CSV layout of Nsight Compute's SASS source view (a small
+    one written here): the samples summed by reason and by opcode, predicated opcodes included."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_long_sb", "stall_barrier", "stall_long_sb (Not Issued)"]
+    rows = [["Kernel Name", "k_kernel"], header,
+            ["0x10", "      LDG.E.128 R4, desc[UR4][R2.64]", "10", "32", "0", "10", "0"],
+            ["0x20", "      @!P0 HMMA.16816.F32.BF16 R8, R4, R6, R8", "30", "32", "30", "0", "9"],
+            ["0x30", "      HMMA.16816.F32.BF16 R8, R4, R6, R8", "60", "32", "40", "20", "9"]]
+    path = tmp_path / "sass.csv"
+    path.write_text("\n".join(",".join(f'"{cell}"' for cell in row) for row in rows) + "\n")
+    result = subprocess.run([sys.executable, str(STALLS_SCRIPT), str(path)], cwd=ROOT, env=user_environment(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0] == "k_kernel: 3 instructions, 100 stall samples"
+    assert out[1].split() == ["long_sb", "70.0", "%"] and out[2].split() == ["barrier", "30.0", "%"]
+    hmma = next(line for line in out if "HMMA" in line)
+    assert hmma.split()[:2] == ["90.0", "%"] and "[long_sb 78 %, barrier 22 %]" in hmma
