@@ -27,6 +27,7 @@ from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.spec import load_spec
 
 OUT = os.environ.get("OUT", "/tmp")
+UNSTEADY_SPREAD = 1.10  # rounds of one contender further apart than this are flagged in the summary
 p = argparse.ArgumentParser()
 p.add_argument("--mods", default="mods/*.py")
 p.add_argument("--spec", default="specs/gdn.toml")  # the spec every module was compiled from
@@ -209,7 +210,11 @@ print("=== summary ===")
 for r in results:
     if r["kind"] == "time":
         spread = f' rounds {min(r["rounds"]):.3f}-{max(r["rounds"]):.3f}' if len(r["rounds"]) > 1 else ""
-        print(f'{r["shape"]:<16} {r["impl"]:<14} bwd={r["bwd"]} {r["ms"]:>8.3f} ms{spread} peak {r["peak"]:>6} cold {r["cold"]:>5} diff {r["diff"]} finite {r["finite"]}')
+        # a contender whose rounds disagree (FLA's first rounds after its autotuning, session 28:
+        # 0.915 / 1.252 / 1.368 ms) has no steady median to take a ratio of
+        unsteady = max(r["rounds"]) > UNSTEADY_SPREAD * min(r["rounds"])
+        flag = f'  UNSTEADY: rounds {100 * (max(r["rounds"]) / min(r["rounds"]) - 1):.0f} % apart, time again' if unsteady else ""
+        print(f'{r["shape"]:<16} {r["impl"]:<14} bwd={r["bwd"]} {r["ms"]:>8.3f} ms{spread} peak {r["peak"]:>6} cold {r["cold"]:>5} diff {r["diff"]} finite {r["finite"]}{flag}')
     elif r["kind"] == "sweep":
         print(f'sweep {r["shape"]:<16} {r["role"]} {r["cfg"]} {r.get("ms")} {r.get("error", "")[:80]} diff {r.get("diff")}')
     elif r["kind"] == "oracle":
