@@ -14,7 +14,7 @@ source: the kernel is compiled again here for sm_90 exactly as run_once.py launc
 Triton, hence the same SASS, checked instruction by instruction against the profile) and
 disassembled with its line table (BENCHMARKS.md round 20).
 """
-import argparse, collections, csv, importlib.util, os, re, subprocess, sys, tempfile
+import argparse, collections, csv, os, re, subprocess, sys, tempfile
 
 
 def kernels(path):
@@ -76,24 +76,14 @@ def source_lines(module_path, kernel_name, shape, count):
     """The module's source line of each of the kernel's SASS instructions, compiled here as
     run_once.py launches it (meta tensors record the launch; nothing runs)."""
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, os.getcwd())
-    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import triton
-    from lrdsl.passes.pipeline import run_pipeline
     from lrdsl.resources import _compile, _LaunchRecorder
-    from lrdsl.spec import load_spec
-    from lrdsl.workloads import Shape, make_inputs
+    from run_once import call, load_module
 
-    rec = run_pipeline(load_spec("specs/gdn.toml"), until="recurrence")["recurrence"]
-    spec = importlib.util.spec_from_file_location("module", module_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    B, T, H, HV = map(int, shape.split("x"))
-    inputs = [t.to("meta").requires_grad_() for t in make_inputs(rec, Shape(B, T, H, HV, 128, 128), dtype=torch.bfloat16,
-                                                                  generator=torch.Generator().manual_seed(0), normalize_keys=False)]
+    module = load_module(module_path)
     with _LaunchRecorder(module) as recorder:
-        o, _ = module.chunk(*inputs, use_qk_l2norm_in_kernel=True, output_final_state=True)
-        o.backward(torch.empty_like(o))
+        call(module, shape, "meta")
     launches = [(fn, args, kwargs) for fn, args, kwargs in recorder.launches if fn.__name__ == kernel_name]
     disassembler = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     for fn, args, kwargs in launches:  # a kernel launched at two chunk sizes: the one of `count` instructions

@@ -55,11 +55,9 @@ CHUNK_EMITTERS = TypeRegistry("chunk kernel emitter", CompileError)
 SOLVE_BLOCK = 16  # the triangular solve works on 16 x 16 blocks
 
 
-def input_load(op: Load, ctx: KernelContext) -> tuple[str, str, str, str | None] | None:
-    """(pointer, offsets, mask, register dtype) of the memory read behind a Load: a call input's
-    tile, row or head value. None for `scale` and the head index h, which read no memory."""
-    if op.source == "scale" or op.source == str(HEAD_INDEX):
-        return None
+def input_load(op: Load, ctx: KernelContext) -> tuple[str, str, str, str | None]:
+    """(pointer, offsets, mask, register dtype) of the memory read behind a Load that reads
+    memory (op.reads_memory): a call input's tile, row or head value."""
     if op.source in ("q", "k"):
         return (op.source, *tile_address(op.shape, "H", "i_h", "K"), ctx.load_dtype(op.out))
     if op.source in ("v", COTANGENT):

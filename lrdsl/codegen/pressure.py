@@ -26,10 +26,15 @@ from .schedule import eager_sums, is_loadable, loads_issued_early, place_values
 ACC_BYTES = 4  # a tile's elements are fp32 unless a loaded value stays in the matmul dtype
 
 
-def _tile_bytes(ctx, value: str, dims: dict[str, int], operand_bytes: int) -> int:
+def _elements(ctx, value: str, dims: dict[str, int]) -> int:
     size = 1
     for axis in ctx.shape(value):
         size *= dims[axis]
+    return size
+
+
+def _tile_bytes(ctx, value: str, dims: dict[str, int], operand_bytes: int) -> int:
+    size = _elements(ctx, value, dims)
     kept_as_operand = is_loadable(ctx, value) and ctx.load_dtype(value) == "DOT_DTYPE"
     # a tile held in the dtype it is stored in: the inputs' width, but for the buffers kept in fp32
     kept_as_stored = ctx.in_storage_dtype(value) and ctx.shape(value) not in FP32_BUFFER_SHAPES
@@ -73,10 +78,7 @@ def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes:
     # inputs loaded a V loop ahead of their segment: held unconverted (16 bits for 16-bit inputs)
     # from the end of the segment before that loop to their conversion
     for value, index in loads_issued_early(ctx, place).items():
-        size = 1
-        for axis in ctx.shape(value):
-            size *= dims[axis]
-        intervals.append(((2 * index - 2, len(order)), start(value), size * operand_bytes))
+        intervals.append(((2 * index - 2, len(order)), start(value), _elements(ctx, value, dims) * operand_bytes))
     # the q/k gradients a key-head program sums over its value heads
     group_sums = sum(_tile_bytes(ctx, value, dims, operand_bytes) for _, value in key_head_results(ctx))
     points = sorted({s for s, _, _ in intervals})

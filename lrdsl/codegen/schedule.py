@@ -23,7 +23,6 @@ import sympy
 
 from ..errors import CompileError
 from ..ir.chunk import Cumsum, Formula, Load, MatMul, ReduceSum
-from ..ir.formula import HEAD_INDEX
 
 Place = tuple[str, int]
 
@@ -126,12 +125,12 @@ def loads_issued_early(ctx, place: dict[str, Place]) -> dict[str, int]:
     for the whole memory latency; issued before the loop it arrives while the loop works (gdn's
     backward output kernel loads q, k and g after its V loop: forward + backward 2-3 % faster,
     BENCHMARKS.md round 20). One loop ahead only: a tile held across several loops would cost
-    registers through all of them. (`scale` and the head index read no memory.)"""
+    registers through all of them."""
     early = {}
     for value in ctx.kernel.computes:
         op = ctx.prog.op(value)
         kind, index = place[value]
-        if isinstance(op, Load) and kind == "plain" and index > 0 and op.source not in ("scale", str(HEAD_INDEX)):
+        if isinstance(op, Load) and op.reads_memory and kind == "plain" and index > 0:
             early[value] = index
     return early
 

@@ -16,6 +16,7 @@ from functools import cached_property, lru_cache
 
 import sympy
 
+from .formula import HEAD_INDEX
 from .recurrence import Recurrence
 
 Shape = tuple[str, ...]
@@ -52,6 +53,11 @@ class Load(ChunkOp):
 
     def describe(self):
         return f"load {self.source}"
+
+    @property
+    def reads_memory(self) -> bool:
+        """False for `scale` (a kernel argument) and `h`, the value-head index (the program's own)."""
+        return self.source not in ("scale", str(HEAD_INDEX))
 
 
 @dataclass(frozen=True)

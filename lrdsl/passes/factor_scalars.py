@@ -62,12 +62,12 @@ def split_scalar_factors(expr: sympy.Expr, rank0: set[str]) -> tuple[sympy.Expr,
     return sympy.Mul(*scalar), sympy.Mul(*rest)
 
 
-def _fresh(ops: list[ChunkOp], name: str) -> str:
+def _fresh(taken: set[str], name: str) -> str:
     """`name`, or `name` with underscores appended until no value has it (an input may be called
-    d_W_via_WH_unscaled: inputs keep their names)."""
-    taken = {op.out for op in ops}
+    d_W_via_WH_unscaled: inputs keep their names); the name is taken from then on."""
     while name in taken:
         name += "_"
+    taken.add(name)
     return name
 
 
@@ -98,11 +98,12 @@ def _factor_sum(ops: list[ChunkOp], op: ReduceSum, rank0: set[str]) -> list[Chun
         return ops
     scalar, rest = found
     tile = next(o for o in ops if o.out == op.x)
-    unscaled_sum = _fresh(ops, f"{op.out}_unscaled")
+    taken = {o.out for o in ops}
+    unscaled_sum = _fresh(taken, f"{op.out}_unscaled")
     if isinstance(rest, sympy.Symbol):
         summed, new_tile = str(rest), []
     else:
-        summed = _fresh(ops + [ReduceSum(unscaled_sum, op.shape, op.x, op.axes)], f"{op.x}_unscaled")
+        summed = _fresh(taken, f"{op.x}_unscaled")
         new_tile = [Formula(summed, tile.shape, rest)]
     ops = _replace_op(ops, tile, new_tile)
     return _replace_op(ops, op, [ReduceSum(unscaled_sum, op.shape, summed, op.axes),
@@ -119,6 +120,6 @@ def _factor_matmul(ops: list[ChunkOp], op: MatMul, rank0: set[str]) -> list[Chun
         operands.append(operand)
     if scalar == 1:
         return ops
-    unscaled = _fresh(ops, f"{op.out}_unscaled")
+    unscaled = _fresh({o.out for o in ops}, f"{op.out}_unscaled")
     return _replace_op(ops, op, [replace(op, out=unscaled, a=operands[0], b=operands[1]),
                                  Formula(op.out, op.shape, scalar * sympy.Symbol(unscaled))])
