@@ -204,12 +204,16 @@ def chunk_gated_delta_rule(
     64 for 16-bit inputs up to K = 128, where FLA always takes 64), use_gate_in_kernel with
     A_log [HV] and dt_bias [HV] (g is then the raw gate). g=None: no decay (FLA requires g).
     state_v_first=True: initial and final states [N, HV, V, K]. cp_context (context
-    parallelism) is not supported and raises.
+    parallelism) is not supported and raises. Like FLA's, the backward keeps the solved systems
+    and recomputes the rest (chunk()'s save_policy="save_states"): the memory a layer keeps for
+    its backward stays FLA's; the module's chunk() keeps everything by default (faster, more
+    memory kept per layer).
     """
     fn = "chunk_gated_delta_rule"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _CHUNK_KEYWORDS)
     _reject_unsupported(fn, cp_context=cp_context)
+    save_policy = _save_policy(fn, False)  # FLA's gated delta rule always recomputes
     chunk_size = kwargs.get("chunk_size")
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
         _fail(fn, f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
@@ -222,7 +226,7 @@ def chunk_gated_delta_rule(
     return module.chunk(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
-        chunk_indices=chunks, state_v_first=state_v_first,
+        chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy,
     )
 
 
@@ -293,12 +297,16 @@ def _reject_unsupported(fn: str, **options) -> None:
 def _save_policy(fn: str, disable_recompute) -> str | None:
     """chunk()'s save_policy for FLA's disable_recompute. Both say what the backward recomputes,
     never what it computes: True, keep every forward activation the backward reads and recompute
-    none, is save_policy "save"; False is lrdsl's default, "save_states" (like FLA then, which
-    keeps its chunk-local solved matrices and recomputes the rest; lrdsl also keeps a few entry
-    states where its re-run scan has few programs)."""
+    none, is save_policy "save" (chunk()'s own default); False, FLA's default, is "save_states"
+    (like FLA then, which keeps its chunk-local solved matrices and recomputes the rest; lrdsl
+    also keeps a few entry states where its re-run scan has few programs): the memory a layer
+    keeps for its backward stays FLA's. Under torch.compile, where chunk() keeps nothing for its
+    backward whatever the policy, False is chunk()'s own (None)."""
     if not isinstance(disable_recompute, bool):
         _fail(fn, f"disable_recompute must be True or False, got {disable_recompute!r}")
-    return "save" if disable_recompute else None
+    if disable_recompute:
+        return "save"
+    return None if torch.compiler.is_compiling() else "save_states"
 
 
 def _key_channel_heads(fn: str, heads: tuple, g) -> tuple:

@@ -134,7 +134,7 @@ def test_backward_reads_the_forward_buffers_instead_of_solving():
 
 def test_save_policies():
     save = stages("gdn")["save"]
-    assert save.default_policy == "save_states"
+    assert save.default_policy == "save"
     recompute, solve, prepare, keep = (save.policy(n) for n in ("recompute", "save_solve", "save_prepare", "save"))
     assert recompute.kept_by("fused") == () and recompute.rerun_by("fused") == ("prepare", "scan")
     assert recompute.rerun_by("split") == ("system", "solve", "apply", "scan")
@@ -626,15 +626,71 @@ def test_backward_reads_the_forward_systems_at_its_own_chunk_size(name, bounds, 
     assert calls == [(backward_size, {"T": forward_size})]
 
 
-@pytest.mark.parametrize("options", [dict(chunk_size=64), dict(save_policy="save_prepare")], ids=["pinned", "kept"])
-def test_backward_keeps_the_forward_chunk_size_when_it_must(options, generator, device, monkeypatch):
-    """A chunk size the caller gives, or forward buffers the backward keeps, fix its chunk size."""
+@pytest.mark.parametrize("policy", [None, "save", "save_prepare", "save_states"])
+def test_backward_keeps_a_chunk_size_the_caller_gives(policy, generator, device, monkeypatch):
+    """A chunk size the caller gives fixes the backward's, whatever the policy keeps."""
     mod = module("gdn")
     sizes, backward = [], mod._chunk_backward
     monkeypatch.setattr(mod, "_chunk_backward", lambda c, *rest: sizes.append(c["BT"]) or backward(c, *rest))
     case = dict(shape=Shape(1, 70, 1, 1, 16, 16), h0=True, dht=True)
-    assert_gradients(gradient_errors("gdn", case, generator, device, **options), str(options))
+    assert_gradients(gradient_errors("gdn", case, generator, device, chunk_size=64, save_policy=policy), str(policy))
     assert sizes == [64]
+
+
+def _record_chunk_sizes(mod, monkeypatch):
+    """[(who, chunk size)] of every forward launch (the backward's re-runs included) and backward call."""
+    sizes, backward, launcher = [], mod._chunk_backward, mod._CHUNK_LAUNCHERS["split"]
+    monkeypatch.setattr(mod, "_chunk_backward", lambda c, *rest: sizes.append(("backward", c["BT"])) or backward(c, *rest))
+    monkeypatch.setitem(mod._CHUNK_LAUNCHERS, "split", lambda c, *a, **kw: sizes.append(("forward", c["BT"])) or launcher(c, *a, **kw))
+    return sizes
+
+
+@pytest.mark.parametrize("name, policy", [("gdn", None), ("gdn", "save_prepare"), ("deltanet", "save"), ("simple_gla", None)])
+def test_training_forward_runs_at_the_backward_chunk_size(name, policy, generator, device, monkeypatch):
+    """Under a policy whose kept buffers hold only at the chunk size they were made at (save, the
+    default, and save_prepare), a call that needs gradients and gives no chunk_size runs its
+    forward at BACKWARD_CHUNK_SIZE, so that the backward runs there too; gradients against the
+    float64 oracle. A call without gradients keeps FORWARD_CHUNK_SIZE."""
+    mod = module(name)
+    forward_size, backward_size = mod.FORWARD_CHUNK_SIZE["split", "input"], mod.BACKWARD_CHUNK_SIZE["input"]
+    if backward_size >= forward_size:
+        backward_size = forward_size // 2  # pin a smaller backward size where the spec has none
+        monkeypatch.setitem(mod.BACKWARD_CHUNK_SIZE, "input", backward_size)
+    sizes = _record_chunk_sizes(mod, monkeypatch)
+    case = dict(shape=Shape(1, 100, 1, 2, 16, 16), h0=True, dht=True)
+    assert_gradients(gradient_errors(name, case, generator, device, save_policy=policy), f"{name} {policy}")
+    assert sizes == [("forward", backward_size), ("backward", backward_size), ("forward", backward_size)]
+    sizes.clear()
+    tensors = [t.to(device) for t in sample(recurrence(name), case["shape"], torch.float32, generator)]
+    with torch.no_grad():
+        mod.chunk(*tensors, save_policy=policy)
+    assert sizes == [("forward", forward_size)]
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host-counted", "device-counted"])
+def test_training_forward_counts_varlen_chunks_again_at_the_backward_size(on_host, generator, device, monkeypatch):
+    """Packed sequences under the default save: chunk_indices counted on the host at the forward's
+    default size are counted again, on the host, at the backward's (forward and backward run
+    there); counted on the device they fix both to their size. Gradients against the oracle."""
+    mod, rec = module("gdn"), recurrence("gdn")
+    forward_size, backward_size = mod.FORWARD_CHUNK_SIZE["split", "input"], mod.BACKWARD_CHUNK_SIZE["input"]
+    bounds = [0, 3, 70, 100]
+    cu_cpu = torch.tensor(bounds, dtype=torch.int32)
+    cu = cu_cpu.to(device)
+    chunks = mod.prepare_varlen(cu, forward_size, cu_cpu if on_host else None)
+    sizes = _record_chunk_sizes(mod, monkeypatch)
+    tensors = sample(rec, Shape(1, 100, 1, 2, 16, 16), torch.float32, generator)
+    d_o = torch.randn(1, 100, 2, 16, generator=generator, dtype=torch.float64)
+    leaves = [t.clone().to(device).requires_grad_() for t in tensors]
+    o, _ = mod.chunk(*leaves, cu_seqlens=cu, chunk_indices=chunks, use_qk_l2norm_in_kernel=True)
+    (o * d_o.to(device, o.dtype)).sum().backward()
+    refs = [t.double().requires_grad_() for t in tensors]
+    ref_o, _ = reference.run(rec, *refs, cu_seqlens=cu_cpu, use_qk_l2norm_in_kernel=True)
+    (ref_o * d_o).sum().backward()
+    assert relative_error(o, ref_o) <= GRAD_LIMIT
+    assert_gradients({i: relative_error(a.grad, b.grad) for i, (a, b) in enumerate(zip(leaves, refs))}, f"on_host={on_host}")
+    size = backward_size if on_host else forward_size
+    assert sizes == [("forward", size), ("backward", size), ("forward", size)]
 
 
 def _assert_saturated_input_keeps_its_gradient(rec, mod, kernel, shift, generator, device):

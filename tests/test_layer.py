@@ -25,7 +25,7 @@ from lrdsl import reference
 from lrdsl.errors import LrdslError
 from lrdsl.integrations import patch_qwen35, unpatch
 from lrdsl.layers import GatedDeltaNet, GatedDeltaNetCache
-from lrdsl.layers.gated_deltanet import CONFIG_ATTRIBUTES, RECURRENCE_SPEC, cached_state
+from lrdsl.layers.gated_deltanet import CONFIG_ATTRIBUTES, RECURRENCE_SPEC, cached_state, recurrence_module
 from lrdsl.layers.kernels import layer_kernels
 from lrdsl.specs_registry import resolve_spec
 from lrdsl.workloads import TOLERANCE, relative_error
@@ -131,8 +131,16 @@ def test_parameters_are_transformers_names_and_shapes(generator):
     theirs.load_state_dict(ours.state_dict())  # and back: strict in both directions
 
 
-def test_prefill_output_and_every_gradient(generator, device):
+@pytest.mark.parametrize("save_policy", [None, "save_states"])
+def test_prefill_output_and_every_gradient(save_policy, generator, device, monkeypatch):
+    """The layer's output and every gradient against the float64 oracle and transformers, under
+    the module's default save policy and under the memory-lean one the layer may be given."""
     ours, theirs = layer_pair(generator, device)
+    ours.save_policy = save_policy
+    mod = recurrence_module()
+    policies, backward = [], mod._chunk_backward
+    monkeypatch.setattr(mod, "_chunk_backward", lambda c, plan, policy, *rest: policies.append(policy)
+                        or backward(c, plan, policy, *rest))
     x = torch.randn(2, 13, 32, generator=generator)
     x_ours, x_theirs = x.to(device).requires_grad_(True), x.to(device).requires_grad_(True)
     x_oracle = x.double().requires_grad_(True)
@@ -150,6 +158,7 @@ def test_prefill_output_and_every_gradient(generator, device):
     for name in got:
         assert relative_error(got[name], expected[name]) <= TOL, f"d{name} vs the oracle"
         assert relative_error(got[name], transformers_grads[name]) <= TOL, f"d{name} vs transformers"
+    assert policies == [save_policy or mod.DEFAULT_SAVE_POLICY]
 
 
 class EarlierTransformersCache:

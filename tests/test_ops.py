@@ -185,19 +185,22 @@ def test_varlen_cu_seqlens_cpu_chunk_size_and_fla_chunk_indices(generator, devic
 def test_default_chunk_size_is_lrdsl_s_and_the_backward_chooses_its_own(packed, generator, device, monkeypatch):
     """Without chunk_size (FLA takes 64 always) chunk() picks its own: the largest that fits, and a
     backward recomputing at BACKWARD_CHUNK_SIZE (what its kernels' registers hold), with cu_seqlens
-    alone too. Gradients match the oracle."""
+    alone too; like FLA's, it keeps only the solved systems (save_states), not the module's
+    default. Gradients match the oracle."""
     lengths = [3, 70, 27]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
     tensors = make_inputs(generator, "log", "given", T=100, N=len(lengths) if packed else None)
     module = ops.spec_module("log", "given")
     sizes, backward = [], module._chunk_backward
-    monkeypatch.setattr(module, "_chunk_backward", lambda c, *rest: sizes.append(c["BT"]) or backward(c, *rest))
+    monkeypatch.setattr(module, "_chunk_backward", lambda c, plan, policy, *rest: sizes.append((c["BT"], policy))
+                        or backward(c, plan, policy, *rest))
     packing = dict(cu_seqlens=cu) if packed else {}
     (o_ref, ht_ref), t = oracle(tensors, "log", "given", output_final_state=True, use_qk_l2norm_in_kernel=True, **packing)
     x = leaves(tensors, device)
     o, ht = call_chunk(x, "log", "given", **on(device, packing))
     ((o.float() * 0.5).sum() + ht.sum()).backward()
-    assert sizes == [module.BACKWARD_CHUNK_SIZE["input"]] and sizes[0] < module.largest_chunk_size(16)
+    assert sizes == [(module.BACKWARD_CHUNK_SIZE["input"], "save_states")]
+    assert sizes[0][0] < module.largest_chunk_size(16)
     assert relative_error(o, o_ref) <= TOL and relative_error(ht, ht_ref) <= TOL
     ref = leaves({n: v.double() for n, v in tensors.items()})
     (o2, ht2), _ = oracle(ref, "log", "given", output_final_state=True, use_qk_l2norm_in_kernel=True, **packing)

@@ -15,6 +15,7 @@ recurrent state, and the output there is zero.
 """
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -106,7 +107,14 @@ class GatedDeltaNet(nn.Module):
     cache: a GatedDeltaNetCache or a transformers Cache; with one, the layer reads and updates
     its convolution window and recurrent state (a prefill of T tokens then one-token steps equals
     one prefill of all of them). attention_mask: [B, T], 1 for real tokens, 0 for padding.
+    save_policy: what the chunked kernels keep from a training forward for the backward (None: the
+    generated module's default, "save", which keeps every buffer the backward reads, about 58 KiB
+    per token at Qwen3.5's 32 value heads; "save_states" keeps about 4 KiB, as FLA does, and
+    recomputes the rest in the backward: for deep models trained without activation checkpointing;
+    under torch.compile nothing is kept, whatever it says).
     """
+
+    save_policy: str | None = None
 
     def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
@@ -228,7 +236,12 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        run = recurrence.recurrent if state is not None and one_step else recurrence.chunk
+        if state is not None and one_step:
+            run = recurrence.recurrent
+        else:
+            # under torch.compile chunk() keeps nothing for its backward, whatever the policy
+            policy = None if torch.compiler.is_compiling() else self.save_policy
+            run = functools.partial(recurrence.chunk, save_policy=policy)
         o, new_state = run(q, k, v, a, b, self.A_log, self.dt_bias, initial_state=state,
                            output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         if cache is not None:

@@ -2,7 +2,10 @@
 recompute it by re-running forward kernels in the backward.
 
 The choice is made per tensor from the forward's stage graph:
-    save_states   (default) save_solve, and keep the scan's entry states: where the re-run scan
+    save          (default) keep everything the backward reads; re-run nothing (most memory,
+                  least time). What it keeps holds only at the chunk size it was made at, so a
+                  call that needs gradients runs its forward at the backward's chunk size
+    save_states   save_solve, and keep the scan's entry states: where the re-run scan
                   would have few programs, the generated module keeps one of them per
                   RESUME_EVERY forward chunks and the re-run starts each run of chunks between
                   two from the first, all side by side, instead of walking whole sequences
@@ -16,7 +19,6 @@ The choice is made per tensor from the forward's stage graph:
                   reads (the entry states are B * ceil(T/C) * HV * K * V values: large)
     save_prepare  keep what the prepare phase stores (W, U, the solved system: chunk-local, as
                   large as the inputs) and re-run only the scan for the entry states
-    save          keep everything the backward reads; re-run nothing (most memory, least time)
 Kernels a re-run needs are re-run too, unless the buffers they read are kept.
 """
 from __future__ import annotations
@@ -42,17 +44,22 @@ from ..ir.chunk import (
 )
 from ..ir.plan import BackwardPlan, ChunkPlans, Plan, SavePolicy
 
-# The first is the default. Keeping the solved systems measured faster than recomputing them
-# (gdn forward + backward on an H200: 5.13 -> 5.02 ms at 4 x 4096, 11.68 -> 11.41 at 1 x 32768;
-# BENCHMARKS.md, round 8) for 1 x C x C per token of memory kept; keeping a few entry states too
-# where the re-run scan has few programs, faster again (10.38 -> 9.87 ms at 1 x 32768, 6.11 ->
-# 5.53 at 1 x 65536 with 8 value heads; round 14) for one state per 16 forward chunks.
+# The first is the default. Keeping everything, the forward at the backward's chunk size, measured
+# fastest for every spec (forward + backward on an H200, BENCHMARKS.md round 21: gdn 4.33 -> 3.70
+# ms at 4 x 4096, 9.67 -> 8.77 at 1 x 32768, 5.38 -> 4.88 at 1 x 65536 with 8 value heads;
+# 4-17 % for the other specs), the peak of one call within -3 % to +8 % (the backward's re-run
+# allocated most of what the forward now keeps), but more memory held from the forward to the
+# backward: gdn at HV = 32, K = V = 128, bf16, 58 KiB per token (the entry states at C = 32 are
+# 32 KiB of it) against 4 KiB under save_states; save_states is the policy for deep models
+# trained without activation checkpointing. save_states was the default before: keeping the
+# solved systems measured faster than recomputing them (round 8), keeping a few entry states too
+# where the re-run scan has few programs faster again (round 14).
 POLICIES = {
+    "save": "keep every forward buffer the backward reads; re-run nothing (a call that needs gradients runs its forward at the backward's chunk size)",
     "save_states": "keep the solved systems and, where the re-run scan has few programs, some entry states; re-run the rest",
     "save_solve": "keep the solved systems (C x C, chunk-local); re-run the rest, the backward at its own chunk size",
     "recompute": "keep nothing from the forward; re-run the forward kernels the backward reads from",
     "save_prepare": "keep the prepare phase's buffers (chunk-local); re-run the scan for the entry states",
-    "save": "keep every forward buffer the backward reads; re-run nothing",
 }
 
 
