@@ -132,7 +132,7 @@ def test_gpu_segmented_scans(name, generator, monkeypatch):
     gate = -0.01 if direct_input(rec, rec.log_decay) else None
     for case in (dict(SEGMENTED, gate=gate), dict(SEGMENTED_VARLEN, gate=gate)):
         _forward(name, "chunk", case, generator)
-        # save_solve: under the default save_states the re-run resumes from kept states instead
+        # save_solve: the re-run scan walks the sequences (save_states would resume it from kept states, save keeps its results)
         _gradients(name, case, generator, per_head_checked=False, save_policy="save_solve")
     assert all(chosen), chosen  # every scan (forward, its re-run, backward) ran in segments
 

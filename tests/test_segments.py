@@ -105,7 +105,7 @@ def test_segmented_scans_forward(name, generator, device, monkeypatch):
 def test_segmented_scans_gradients(name, generator, device, monkeypatch):
     chosen = force_segments(monkeypatch, module(name))
     case = dict(shape=SEGMENTED["shape"], h0=True, dht=True, l2norm=True)
-    # save_solve: under the default save_states the re-run resumes from kept states instead
+    # save_solve: the re-run scan walks the sequences (save_states would resume it from kept states, save keeps its results)
     errors = gradient_errors(name, case, generator, device, gate=slow_gate(name), chunk_size=16, save_policy="save_solve")
     assert_gradients(errors, f"{name} segmented")
     assert len(chosen) == 3 and all(chosen), chosen  # the forward's scan, its re-run and the backward's

@@ -172,7 +172,9 @@ CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**{role: s for role, s in CHUNK_LAUNCH_S
                                         "bwd_output": {"num_stages": 2}}
 
 # The backward recomputes the forward's buffers, or reads only the solved systems (save policies
-# "recompute", "save_solve", "save_states"), and so may use its own chunk size. Its output
+# "recompute", "save_solve", "save_states"), and so may use its own chunk size; under the
+# policies that keep more ("save", the default, and "save_prepare") a training forward runs at
+# that size itself, so the backward runs there too. Its output
 # kernel holds many more tiles than any forward kernel (every gradient of a chunk), and past the
 # register file it spills in its inner work: at C = 64 the gdn estimate is 2.4x the register
 # file and the kernel took 6.2 ms at 4 x 4096 (H200), at C = 32 (1.07x) it took 3.4 ms and
