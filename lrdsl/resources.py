@@ -225,8 +225,9 @@ class _LaunchOverride:
 
 def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 90, chunk_size=None,
                      only: str = "", launch: dict[str, dict[str, int]] | None = None) -> list[KernelResources]:
-    """Compile every kernel that chunk calls (forward and backward, every plan; chunk_size None:
-    the default for the precision), a recurrent call and the serving calls (decode on a bf16 pool
+    """Compile every kernel that chunk calls (forward and backward, every plan, and the forward
+    of a call without gradients; chunk_size None: the default for the precision, which may differ
+    between a training forward and the other), a recurrent call and the serving calls (decode on a bf16 pool
     kept [P, HV, V, K], verify and commit on an fp32 pool) launch, each once per distinct
     specialisation, or only those whose name contains `only`. The chunk and recurrent calls take
     an initial state and both outputs' gradients: the kernels' longest variants. `launch`: launch
@@ -246,6 +247,8 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
             o, ht = module.chunk(*leaves[:-1], initial_state=leaves[-1], plan=plan, precision=precision,
                                  chunk_size=chunk_size, **options)
             (o.sum() + ht.sum()).backward()
+            # without gradients too: a training call may run its forward at another chunk size
+            module.chunk(*tensors, initial_state=h0, plan=plan, precision=precision, chunk_size=chunk_size, **options)
         module.recurrent(*tensors, initial_state=h0, **options)
         plain = [t.detach() for t in tensors]
         rows = (shape.B, shape.HV, shape.K, shape.V)
@@ -313,7 +316,8 @@ def main(argv=None) -> int:
                 # the module's own rules (chunk() takes these with no chunk_size; the backward is free
                 # to choose: no chunk_indices here)
                 chunk_size, forward = None, min(module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, args.precision], largest)
-                shown = f"default (forward {forward}, backward {module._backward_chunk_size(forward, args.precision, True)})"
+                backward = module._backward_chunk_size(forward, args.precision, True)
+                shown = f"default (forward {forward}, backward and the training forward {backward})"
             else:
                 chunk_size = int(args.chunk_size) if args.chunk_size else largest
                 shown = chunk_size

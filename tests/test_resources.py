@@ -82,14 +82,19 @@ def test_report_compiles_what_a_launch_compiles():
 
 def test_default_chunk_sizes_report_the_backward_at_its_own():
     """--chunk-size default compiles what a call without chunk_size runs: gdn's forward at 64 and
-    its backward at its own BACKWARD_CHUNK_SIZE (32 at K = 128), not at the forward's."""
+    its backward at its own BACKWARD_CHUNK_SIZE (32 at K = 128), not at the forward's; under the
+    default save policy a training forward runs at 32 too, so the backward reads what it keeps
+    (the solved systems among them) at their own width."""
     sections = compile_for_sm90(["gdn"], ["1,128,1,2,128,128"], "--chunk-size", "default", "--kernels", "bwd_output")
     [(header, rows)] = sections.items()
-    assert "chunk_size=default (forward 64, backward 32)" in header, header
+    assert "chunk_size=default (forward 64, backward and the training forward 32)" in header, header
     # 128 value columns in 1 stage: the backward output kernel's settings below the largest chunk
-    # size; the split plan's backward reads the forward's solved systems (save_solve) at C = 64
-    assert len(rows) == 2 and all("num_stages=1" in row and "BV=128" in row for row in rows), rows
-    assert sorted("CC_BT=64" in row for row in rows) == [False, True], rows
+    # size, one compile for both plans (each keeps T at 32)
+    assert len(rows) == 1 and all("num_stages=1" in row and "BV=128" in row and "CC_BT=64" not in row for row in rows), rows
+    # apply: the training forward's at C = 32 (3 stages, 64 columns) and the forward without
+    # gradients at C = 64 (2 stages, all 128 columns)
+    [(_, rows)] = compile_for_sm90(["gdn"], ["1,128,1,2,128,128"], "--chunk-size", "default", "--kernels", "apply").items()
+    assert any("num_stages=3 BV=64" in row for row in rows) and any("num_stages=2 BV=128" in row for row in rows), rows
 
 
 def test_launch_settings_replace_the_modules_one_report_each():
