@@ -225,21 +225,34 @@ def read_only_by_solves(ctx: KernelContext, value: str) -> bool:
 
 # -- addressing --------------------------------------------------------------------------------
 
-ROW = "(bos + o_t)"
+# How a kernel kind addresses a chunk's rows in a token-major tensor. Chunk-parallel kernels
+# ("chunk"): a scalar (int64: the chunk's first row `row0`, the head) plus offsets within the
+# chunk (int32: rows o_c, columns), added to the pointer in that order, so the per-element
+# arithmetic stays 32-bit (sm_90: fewer registers and integer instructions per load and store;
+# gdn's system kernel 0.114 -> 0.085 ms at 4 x 4096). The scans ("scan") keep an int64 row per
+# element, (bos + o_t): the first-row form ran gdn's forward scan 0.69 -> 0.80 ms at 1 x 32768
+# (its segmented walk), measured in BENCHMARKS.md round 22.
+FIRST_ROW = "row0"
 
 
-def tile_address(shape, row_stride: str, head_offset: str, width: str) -> tuple[str, str]:
-    """Offsets and mask of a per-row tile in a token-major tensor [.., T, heads, width]."""
-    if shape == ("C",):
-        return f"{ROW} * {row_stride} + {head_offset}", "m_t"
-    column = {"K": ("o_k", "m_k"), "V": ("o_v", "m_v"), "C": ("o_c", None)}[shape[1]]
-    offsets = f"{ROW}[:, None] * ({row_stride} * {width}) + {head_offset} * {width} + {column[0]}[None, :]"
-    mask = "m_t[:, None]" + (f" & {column[1]}[None, :]" if column[1] else "")
-    return offsets, mask
+def tile_address(shape, row_stride: str, head_offset: str, width: str, kind: str) -> tuple[str, str]:
+    """Offsets and mask of a per-row tile in a token-major tensor [.., T, heads, width], in a
+    kernel of `kind` (Kernel.kind)."""
+    column = None if shape == ("C",) else {"K": ("o_k", "m_k"), "V": ("o_v", "m_v"), "C": ("o_c", None)}[shape[1]]
+    mask = "m_t" if column is None else "m_t[:, None]" + (f" & {column[1]}[None, :]" if column[1] else "")
+    if kind == "scan":
+        if column is None:
+            return f"(bos + o_t) * {row_stride} + {head_offset}", mask
+        return f"(bos + o_t)[:, None] * ({row_stride} * {width}) + {head_offset} * {width} + {column[0]}[None, :]", mask
+    if column is None:
+        return f"({FIRST_ROW} * {row_stride} + {head_offset}) + o_c * {row_stride}", mask
+    stride = f"({row_stride} * {width})"
+    return f"({FIRST_ROW} * {stride} + {head_offset} * {width}) + (o_c[:, None] * {stride} + {column[0]}[None, :])", mask
 
 
-def buffer_address(shape, made_elsewhere: bool = False) -> tuple[str, str]:
-    """Offsets and mask of this chunk's tile in a buffer (layouts in lrdsl.ir.plan).
+def buffer_address(shape, kind: str, made_elsewhere: bool = False) -> tuple[str, str]:
+    """Offsets and mask of this chunk's tile in a buffer (layouts in lrdsl.ir.plan), in a kernel
+    of `kind`.
     made_elsewhere: a C x C tile another kernel stored, maybe at a multiple of this chunk size."""
     if shape == ("C", "C") and made_elsewhere:
         return sub_chunk_matrix_address()
@@ -250,7 +263,7 @@ def buffer_address(shape, made_elsewhere: bool = False) -> tuple[str, str]:
     if shape == ("K", "V"):
         return "(i_c * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]", "m_k[:, None] & m_v[None, :]"
     width = {("C", "K"): "K", ("C", "V"): "V", ("C", "C"): "BT", ("C",): ""}[shape]
-    return tile_address(shape, "HV", "i_hv", width)
+    return tile_address(shape, "HV", "i_hv", width, kind)
 
 
 def sub_chunk_matrix_address() -> tuple[str, str]:
@@ -258,7 +271,7 @@ def sub_chunk_matrix_address() -> tuple[str, str]:
     which the backward keeps under save_solve while it runs at its own smaller chunk size): each
     row holds CC_BT columns, and this chunk's tile is the diagonal block of its sub-chunk, which
     is what solving at BT gives. Where CC_BT == BT the column offset is 0."""
-    offsets = f"{ROW}[:, None] * (HV * CC_BT) + i_hv * CC_BT + (i_t * BT) % CC_BT + o_c[None, :]"
+    offsets = f"({FIRST_ROW} * (HV * CC_BT) + i_hv * CC_BT + (i_t * BT) % CC_BT) + (o_c[:, None] * (HV * CC_BT) + o_c[None, :])"
     return offsets, "m_t[:, None]"
 
 
@@ -277,7 +290,7 @@ def store_line(pointer: str, offsets: str, mask: str, value: str) -> str:
 
 def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
     made_elsewhere = ctx.kernel.kind == "chunk" and not ctx.stored_here(value)
-    offsets, mask = buffer_address(ctx.shape(value), made_elsewhere=made_elsewhere)
+    offsets, mask = buffer_address(ctx.shape(value), ctx.kernel.kind, made_elsewhere=made_elsewhere)
     line = load_line(var(value), buffer_param(value), offsets, mask, ctx.load_dtype(value))
     lines = [f"# {value}: stored by an earlier kernel", line]
     if value in ctx.narrowed_copies:
@@ -289,5 +302,5 @@ def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
 
 
 def emit_buffer_store(value: str, ctx: KernelContext) -> list[str]:
-    offsets, mask = buffer_address(ctx.shape(value))
+    offsets, mask = buffer_address(ctx.shape(value), ctx.kernel.kind)
     return [store_line(buffer_param(value), offsets, mask, var(value))]

@@ -59,21 +59,21 @@ def input_load(op: Load, ctx: KernelContext) -> tuple[str, str, str, str | None]
     """(pointer, offsets, mask, register dtype) of the memory read behind a Load that reads
     memory (op.reads_memory): a call input's tile, row or head value."""
     if op.source in ("q", "k"):
-        return (op.source, *tile_address(op.shape, "H", "i_h", "K"), ctx.load_dtype(op.out))
+        return (op.source, *tile_address(op.shape, "H", "i_h", "K", ctx.kernel.kind), ctx.load_dtype(op.out))
     if op.source in ("v", COTANGENT):
         pointer = "v" if op.source == "v" else COTANGENT_POINTER
-        return (pointer, *tile_address(op.shape, "HV", "i_hv", "V"), ctx.load_dtype(op.out))
+        return (pointer, *tile_address(op.shape, "HV", "i_hv", "V", ctx.kernel.kind), ctx.load_dtype(op.out))
     if op.source.startswith(SAVED):
-        offsets, mask = buffer_address(op.shape, made_elsewhere=ctx.kernel.kind == "chunk")
+        offsets, mask = buffer_address(op.shape, ctx.kernel.kind, made_elsewhere=ctx.kernel.kind == "chunk")
         return (saved_param(op.source), offsets, mask, ctx.load_dtype(op.out))
     pointer = input_pointer(op.source)
     role = ctx.prog.recurrence.input(op.source).role
     if role is InputRole.HEAD:
         return (pointer, "i_hv", "", "ACC")
     if role is InputRole.TOKEN:
-        return (pointer, *tile_address(op.shape, "HV", "i_hv", ""), "ACC")
+        return (pointer, *tile_address(op.shape, "HV", "i_hv", "", ctx.kernel.kind), "ACC")
     if role is InputRole.TOKEN_KEY:  # [B, T, HV, K]: like v, by value head
-        return (pointer, *tile_address(op.shape, "HV", "i_hv", "K"), "ACC")
+        return (pointer, *tile_address(op.shape, "HV", "i_hv", "K", ctx.kernel.kind), "ACC")
     return (pointer, "i_hv * K + o_k", "m_k", "ACC")  # HEAD_KEY: [HV, K]
 
 

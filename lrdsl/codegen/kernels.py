@@ -141,7 +141,7 @@ def wrap_in_group_loop(ctx: KernelContext, body: list[str]) -> list[str]:
         *[("    " + line) if line else line for line in "\n".join(body).split("\n")],
     ]
     for role, value in results:
-        offsets, mask = tile_address(ctx.shape(value), "H", "i_h", "K")
+        offsets, mask = tile_address(ctx.shape(value), "H", "i_h", "K", ctx.kernel.kind)
         lines += ["    " + line for line in guarded_store(result_param(role), offsets, mask, group_sum_var(role))]
     return lines
 
@@ -149,10 +149,10 @@ def wrap_in_group_loop(ctx: KernelContext, body: list[str]) -> list[str]:
 def emit_result_store(role: str, value: str, ctx: KernelContext) -> list[str]:
     shape = ctx.shape(value)
     if shape in ((), ("K",)):  # a per-head input's gradient: one per chunk, summed after the kernel
-        offsets, mask = buffer_address(shape)
+        offsets, mask = buffer_address(shape, ctx.kernel.kind)
     else:
         width = {("C", "K"): "K", ("C", "V"): "V", ("C",): ""}[shape]
-        offsets, mask = tile_address(shape, "HV", "i_hv", width)
+        offsets, mask = tile_address(shape, "HV", "i_hv", width, ctx.kernel.kind)
     return guarded_store(result_param(role), offsets, mask, var(value))
 
 
