@@ -17,6 +17,7 @@ from helpers import (
     SHAPE_STRATEGIES,
     assert_close,
     direct_input,
+    force_segments,
     module,
     recurrence,
     run_case,
@@ -167,6 +168,93 @@ def test_head_dim_256(name, generator, device):
 def test_chunk_property_shapes(B, T, H, group, K, V, chunk_size, name, generator, device):
     case = dict(shape=Shape(B, T, H, H * group, K, V), dtype=torch.float32, h0=True)
     run_case(module(name), recurrence(name), "chunk", case, generator, device, chunk_size=chunk_size)
+
+
+# -- plan rule 6: a forward call without gradients or chunk size runs its kernels up to the scan
+#    at half the output kernel's chunk size (in the interpreter wherever the plan allows it)
+
+SPLIT_CASES = {
+    # 5 chunks of 32 per sequence, 3 of 64: the last output chunk has one scan chunk
+    "dense": dict(shape=Shape(2, 150, 1, 2, 16, 16), dtype=torch.float32, h0=True, l2norm=True),
+    # lengths 33, 0, 67, 71: each sequence's entry-state slots start at its own output chunk
+    "varlen": dict(shape=Shape(1, 171, 2, 4, 16, 24), dtype=torch.float32, h0=True, bounds=[0, 33, 33, 100, 171]),
+}
+SPLIT_SPECS = ("gdn", "deltanet", "gdn_qwen35", "simple_gla")
+
+
+def record_forward_sizes(monkeypatch, mod) -> list[tuple[int, int]]:
+    """Collects (chunk size up to the scan, the output kernel's) of every forward launcher call."""
+    sizes = []
+    for plan, launcher in list(mod._CHUNK_LAUNCHERS.items()):
+        def recording(c, o, final_state, *args, _launcher=launcher, **kwargs):
+            sizes.append((c["BT"], (kwargs.get("output_c") or c)["BT"]))
+            return _launcher(c, o, final_state, *args, **kwargs)
+        monkeypatch.setitem(mod._CHUNK_LAUNCHERS, plan, recording)
+    return sizes
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+@pytest.mark.parametrize("plan", ["split", "fused"])
+@pytest.mark.parametrize("name", SPLIT_SPECS)
+def test_scan_at_half_the_output_chunk_size(name, plan, case, generator, device, monkeypatch):
+    """Delta-rule specs run system, solve, apply and scan at 32 and the output at 64 (the scan
+    keeping one entry state per output chunk); simple_gla, with no system to solve, keeps 64."""
+    mod = module(name)
+    sizes = record_forward_sizes(monkeypatch, mod)
+    with torch.no_grad():
+        run_case(mod, recurrence(name), "chunk", SPLIT_CASES[case], generator, device, plan=plan)
+    assert sizes == [(64, 64) if name == "simple_gla" else (32, 64)]
+
+
+def test_scan_at_half_the_output_chunk_size_in_segments(generator, device, monkeypatch):
+    """The split with the scan in segments of 2 chunks: the stored pass keeps every other state."""
+    mod = module("gdn")
+    chosen = force_segments(monkeypatch, mod)
+    monkeypatch.setattr(mod, "_scan_chunk_size", lambda c, plan: c["BT"] // 2)
+    sizes = record_forward_sizes(monkeypatch, mod)
+    case = dict(shape=Shape(2, 300, 1, 2, 16, 16), dtype=torch.float32, h0=True)
+    with torch.no_grad():
+        run_case(mod, recurrence("gdn"), "chunk", case, generator, device, chunk_size=None)
+    assert sizes == [(32, 64)] and chosen and all(chosen), (sizes, chosen)
+
+
+def test_scan_at_half_the_output_chunk_size_needs_host_counted_chunks(generator, device, monkeypatch):
+    """A chunk size or device-counted chunk_indices fix every kernel's chunk size; chunk_indices
+    counted on the host are counted again at the scan's."""
+    mod, rec = module("gdn"), recurrence("gdn")
+    sizes = record_forward_sizes(monkeypatch, mod)
+    bounds = [0, 33, 100, 171]
+    tensors = sample(rec, Shape(1, 171, 1, 2, 16, 16), torch.float32, generator)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    ref_o, _ = reference.run(rec, *tensors, cu_seqlens=cu)
+    on_device = [t.to(device) for t in tensors]
+    cu_device = cu.to(device)
+    for options in (dict(chunk_size=64), dict(chunk_indices=mod.prepare_varlen(cu_device, 64)),
+                    dict(chunk_indices=mod.prepare_varlen(cu_device, 64, cu))):
+        with torch.no_grad():
+            o, _ = mod.chunk(*on_device, cu_seqlens=cu_device, **options)
+        assert_close(o.cpu(), ref_o, torch.float32, f"gdn.chunk {sorted(options)}")
+    assert sizes == [(64, 64), (64, 64), (32, 64)]
+
+
+def test_scan_at_half_the_output_chunk_size_into_a_pool(generator, device, monkeypatch):
+    """A prefill into pool rows (one padding slot) takes the split too: rows and o match the oracle."""
+    mod, rec = module("gdn"), recurrence("gdn")
+    sizes = record_forward_sizes(monkeypatch, mod)
+    shape = Shape(3, 100, 1, 2, 16, 16)
+    tensors = sample(rec, shape, torch.float32, generator)
+    pool = torch.randn(5, shape.HV, shape.K, shape.V, generator=generator)
+    slots = [3, -1, 0]
+    expected = pool.clone()
+    ref_o, ref_ht = reference.run(rec, *tensors, initial_state=pool[[3, 0, 0]], output_final_state=True)
+    expected[3], expected[0] = ref_ht[0], ref_ht[2]
+    ref_o[1] = 0  # the padding slot's outputs are zeros
+    pool = pool.to(device)
+    with torch.no_grad():
+        o, _ = mod.chunk(*[t.to(device) for t in tensors], state_pool=pool, state_indices=torch.tensor(slots, device=device))
+    assert sizes == [(32, 64)]
+    assert_close(o.cpu(), ref_o, torch.float32, "gdn prefill o")
+    assert_close(pool.cpu(), expected, torch.float32, "gdn prefill pool rows")
 
 
 # -- bad arguments -------------------------------------------------------------------------------

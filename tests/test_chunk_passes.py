@@ -214,6 +214,40 @@ def test_verify_catches_a_plan_reading_an_unstored_buffer():
         verify(dataclasses.replace(plans, plans=tuple(broken if p.name == "fused" else p for p in plans.plans)))
 
 
+@pytest.mark.parametrize("name", CHUNKED_SPECS)
+def test_output_at_a_multiple_of_the_scan_chunk_size(name):
+    """Plan rule 6: the output kernel may run at a multiple of the scan's chunk size where it reads
+    only entry states and chunk-size-free rows from memory (the residual Vn, row functions of the
+    inputs); rwkv7's output reads U, solved within each chunk, so it may not."""
+    plans = plan_kernels(build_stage_graph(program(name)))
+    prog = plans.graph.program
+    # what the state update writes: Vn (delta rule, beta v), or v itself for a plain write without beta
+    assert len(prog.chunk_size_free) == (0 if name == "rwkv7" else 1)
+    for plan in plans.plans:
+        reads = set(plan.kernels[-1].loads)
+        assert plan.output_at_multiple == (name != "rwkv7"), (plan.name, reads)
+        assert ("U" in reads) == (name == "rwkv7")
+
+
+def test_output_reading_a_chunk_relative_buffer_stays_at_the_scan_chunk_size():
+    """gdn with Vn no longer declared chunk-size-free (it is U - W H: products within the chunk)."""
+    prog = dataclasses.replace(program("gdn"), chunk_size_free=())
+    plans = plan_kernels(build_stage_graph(prog))
+    assert all("Vn" in p.kernels[-1].loads and not p.output_at_multiple for p in plans.plans)
+
+
+def test_verify_catches_a_chunk_size_free_value_with_a_chunk_axis():
+    with pytest.raises(IRError, match="chunk-size-free A must be a per-row value"):
+        verify(dataclasses.replace(program("gdn"), chunk_size_free=("A",)))
+    plans = plan_kernels(build_stage_graph(program("gdn")))
+    split = plans.plan("split")
+    # a second chunk kernel after the output: the one at the multiple no longer follows the scan
+    second = dataclasses.replace(split.kernels[-1], name="output_again")
+    late = dataclasses.replace(split, kernels=split.kernels + (second,))
+    with pytest.raises(IRError, match="must follow the scan"):
+        verify(dataclasses.replace(plans, plans=(late, plans.plan("fused"))))
+
+
 @pytest.mark.parametrize("name", CORE_SPECS)
 def test_every_pass_verifies_with_chunk_stages(name):
     from lrdsl.passes.pipeline import run_pipeline

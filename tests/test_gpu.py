@@ -81,6 +81,25 @@ def test_gpu_chunk_bf16(name, plan, chunk_size, generator):
     _forward(name, "chunk", VARLEN, generator, plan=plan, chunk_size=chunk_size)
 
 
+# specs whose forward without a chunk size may run the kernels up to the scan at half the output's
+# chunk size (plan rule 6: SMALLER_SCAN_CHUNKS, at a default of 64)
+SPLIT_SPECS = [n for n in CHUNKED if module(n).SMALLER_SCAN_CHUNKS["split"] and module(n).FORWARD_CHUNK_SIZE["split", "input"] == 64]
+
+
+@pytest.mark.parametrize("plan", ["fused", "split"])
+@pytest.mark.parametrize("name", SPLIT_SPECS)
+def test_gpu_scan_at_half_the_output_chunk_size(name, plan, generator, monkeypatch):
+    """The scan at 32 keeping one entry state per output chunk of 64, fixed-length and packed (an
+    empty sequence, one token, odd lengths): the rule forced by reporting one multiprocessor."""
+    mod = module(name)
+    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 1)
+    sizes, at_size = [], mod._at_scan_chunk_size
+    monkeypatch.setattr(mod, "_at_scan_chunk_size", lambda fn, c, size, indices: sizes.append(size) or at_size(fn, c, size, indices))
+    _forward(name, "chunk", DENSE, generator, plan=plan)
+    _forward(name, "chunk", VARLEN, generator, plan=plan)
+    assert sizes == [32, 32]
+
+
 @pytest.mark.parametrize("name", ALL_SPECS)
 def test_gpu_recurrent_bf16(name, generator):
     _forward(name, "recurrent", DENSE, generator)

@@ -5,7 +5,7 @@ settings and chunk sizes they read (lrdsl/codegen/launch.py).
 from __future__ import annotations
 
 from ..errors import CompileError
-from ..ir.chunk import ChunkProgram
+from ..ir.chunk import ChunkProgram, UnitLowerInverse
 from ..ir.plan import BackwardPlan, Plan
 from .context import KernelContext, boundary_launch, buffer_param, narrowed_param, read_only_by_solves, result_param
 from .emitters import KEY_CHANNEL_HELPERS, uses_key_channel_helpers
@@ -35,7 +35,9 @@ BUFFER_SHAPES = {
     ("C",): "(B, T, HV)",
     (): "(NC, HV)",
     ("K",): "(NC, HV, K)",
-    ("K", "V"): "(NC, HV, K, V)",
+    # entry states: a slot per chunk, or per STATE_EVERY chunks where the output kernel runs at a
+    # multiple of the scan's chunk size (plan rule 6); c["state_slots"] counts them
+    ("K", "V"): '(c["state_slots"], HV, K, V)',
 }
 
 
@@ -65,7 +67,7 @@ def narrowed_copies(item: BackwardPlan, plan: Plan) -> dict[str, tuple[str, ...]
 
 
 def _calls(prog: ChunkProgram, plan: Plan, copies: dict[str, tuple[str, ...]] | None = None) -> list[dict]:
-    calls = []
+    calls, after_scan = [], False
     for kernel in plan.kernels:
         ctx = KernelContext(prog, plan, kernel, narrowed_copies=(copies or {}).get(kernel.name, ()))
         refusal = segment_refusal(prog, kernel) if kernel.kind == "scan" else None
@@ -88,8 +90,12 @@ def _calls(prog: ChunkProgram, plan: Plan, copies: dict[str, tuple[str, ...]] | 
                 # a kernel that stores no buffer is needed only for the results it writes
                 results=[] if kernel.stores else [result_param(role) for role, _ in kernel_results(ctx)],
                 narrowed_copies=[dict(name=v, param=narrowed_param(v), buffer=buffer_param(v)) for v in ctx.narrowed_copies],
+                # the launcher's call dict of this kernel: the output's own (`oc`) after the scan
+                # where it may run at a multiple of the scan's chunk size (plan rule 6)
+                call="oc" if after_scan and plan.output_at_multiple else "c",
             )
         )
+        after_scan = after_scan or kernel.kind == "scan"
     return calls
 
 
@@ -118,6 +124,7 @@ def _launcher(prog: ChunkProgram, plan: Plan, copies: dict[str, tuple[str, ...]]
         "chunk_launcher.py.jinja",
         plan_name=plan.name,
         summary=plan.summary,
+        output_at_multiple=plan.output_at_multiple,
         extras_unpack=_unpack_extras(prog),
         buffers=buffers,
         calls=calls,
@@ -201,6 +208,10 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
     if uses_key_channel_helpers(prog, item.backward.graph.program):
         kernels = {"decayed products": KEY_CHANNEL_HELPERS.rstrip("\n"), **kernels}
     largest = largest_chunk_sizes(item)
+    # plan rule 6 pays where the kernels before the scan solve a triangular system: O(C^2) work per
+    # chunk that a smaller chunk size halves per token (the module's _scan_chunk_size)
+    solves = any(isinstance(op, UnitLowerInverse) for op in prog.ops)
+    smaller_scan_chunks = {p.name: p.output_at_multiple and solves for p in plans.plans}
     return render(
         "chunk_api.py.jinja",
         plan_names=[p.name for p in plans.plans],
@@ -211,6 +222,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         largest_chunk_size=repr(largest),
         backward_chunk_size=repr(backward_chunk_sizes(item.backward, largest)),
         forward_chunk_size=repr(forward_chunk_sizes(plans, largest)),
+        smaller_scan_chunks=repr(smaller_scan_chunks),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p, copies[p.name]) for p in plans.plans],
         backward=_backward_launcher(item),

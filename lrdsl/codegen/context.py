@@ -302,5 +302,10 @@ def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
 
 
 def emit_buffer_store(value: str, ctx: KernelContext) -> list[str]:
+    if ctx.kernel.kind == "scan" and value == ctx.prog.state_in:
+        # the entry state of every STATE_EVERY-th chunk, in its slot i_s (scan_kernel.py.jinja)
+        offsets = "(i_s * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]"
+        return ["if i_t % STATE_EVERY == 0:",
+                "    " + store_line(buffer_param(value), offsets, "m_k[:, None] & m_v[None, :]", var(value))]
     offsets, mask = buffer_address(ctx.shape(value), ctx.kernel.kind)
     return [store_line(buffer_param(value), offsets, mask, var(value))]

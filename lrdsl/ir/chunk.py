@@ -387,6 +387,9 @@ class ChunkProgram:
     # forward: ("o", O), ("state", exit state); backward: ("state", dH) and ("grad:<input>", d<input>)
     outputs: tuple[tuple[str, str], ...]
     direction: str = "forward"  # "backward": the entry state is dH of the next chunk, the scan runs in reverse
+    # per-row values whose rows do not depend on the chunk size: the derivation names them (the
+    # residual Vn is what the recurrence writes at each token, whatever chunk holds the token)
+    chunk_size_free: tuple[str, ...] = ()
 
     def op(self, name: str) -> ChunkOp:
         return self._ops_by_name[name]

@@ -107,12 +107,17 @@ class Plan:
     summary: str
     kernels: tuple[Kernel, ...]
     buffers: tuple[Buffer, ...]
+    # the output kernel reads only entry states and chunk-size-free rows from memory, so it may
+    # run at a multiple of the chunk size the kernels before it ran at (plan rule 6)
+    output_at_multiple: bool = False
 
     def buffer(self, value: str) -> Buffer:
         return next(b for b in self.buffers if b.value == value)
 
     def describe(self) -> str:
         lines = [f"  plan {self.name}: {self.summary}"]
+        if self.output_at_multiple:
+            lines.append("    output kernel may run at a multiple of the scan's chunk size")
         lines += [k.describe() for k in self.kernels]
         lines.append("    buffers: " + (", ".join(f"{b.value} {b.layout} {b.dtype}" for b in self.buffers) or "-"))
         return "\n".join(lines)

@@ -267,4 +267,7 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     intra = b.matmul("QKtVn", QK, Vn, ("C", "V"))
     O = b.formula("O", scale * (inter + intra), ("C", "V"))
 
-    return ChunkProgram(rec, tuple(b.ops), (("o", str(O)), ("state", str(H_next))))
+    # Vn's row t is the value the recurrence writes at token t (beta_t (v_t - S_{t-1}^T k_t) for the
+    # delta rule, with S_{t-1} the state just before the token; beta_t v_t for a plain write): the
+    # same whatever chunk size the scan ran at
+    return ChunkProgram(rec, tuple(b.ops), (("o", str(O)), ("state", str(H_next))), chunk_size_free=(str(Vn),))

@@ -15,6 +15,12 @@ Rules, in the order they apply:
     value that is an elementwise function of one other tile is recomputed from that tile.
  5. A triangular solve works from memory: its input is stored before it, its result is stored
     by it (16 x 16 blocks are loaded, solved and merged).
+ 6. Where the output kernel reads from memory only the entry state and rows the chunk program
+    names chunk-size-free (the residual Vn), it may run at a multiple of the chunk size of the
+    kernels before it: it computes everything else itself at its own chunk size, and reads the
+    entry state of every one of its chunks, which the scan keeps. A forward call then runs its
+    O(C^2)-per-chunk prepare work at a smaller chunk size and its output at the larger one
+    (the generated module decides per call: `_scan_chunk_size`).
 The plans differ in rule 3's grouping:
     fused  one prepare kernel (system, solve and its application; the solve's input and output
            go through memory inside that kernel, which stays in cache)
@@ -22,10 +28,11 @@ The plans differ in rule 3's grouping:
 """
 from __future__ import annotations
 
-from ..ir.chunk import Broadcast, ChunkProgram, Formula, Load, NoChunkForm, UnitLowerInverse
+from ..ir.chunk import Broadcast, ChunkProgram, Formula, Load, MaskRows, NoChunkForm, Normalize, UnitLowerInverse
 from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
 
 FP32_BUFFER_SHAPES = (("C", "C"), ("C",), (), ("K",))
+ROW_LOCAL_OPS = (Normalize, Formula, MaskRows, Broadcast)  # row i of the result reads only row i (or scalars)
 
 PLAN_SUMMARIES = {
     "fused": "all prepare work in one kernel",
@@ -91,7 +98,22 @@ class _Planner:
             Buffer(v, self.prog.shape(v), "fp32" if self.prog.shape(v) in FP32_BUFFER_SHAPES else "io")
             for v in sorted(stored, key=self.order.get)
         )
-        return Plan(name, PLAN_SUMMARIES[name], tuple(kernels), buffers)
+        # rule 6
+        output_at_multiple = set(kernels[-1].loads) <= {self.prog.state_in} | self.chunk_size_free()
+        return Plan(name, PLAN_SUMMARIES[name], tuple(kernels), buffers, output_at_multiple)
+
+    def chunk_size_free(self) -> set[str]:
+        """Values whose rows do not depend on the chunk size: those the chunk program names, and
+        row by row functions of them and of the call's inputs (a load, a row norm, an elementwise
+        formula, a row mask, a broadcast); a sum over the chunk's rows, its last row or a product
+        with another row's values depends on where the chunk starts."""
+        free = set(self.prog.chunk_size_free)
+        for op in self.prog.ops:
+            if "C" in op.shape[1:]:
+                continue  # a C x C tile's columns are the chunk's rows
+            if isinstance(op, Load) or (isinstance(op, ROW_LOCAL_OPS) and set(op.args()) <= free):
+                free.add(op.out)
+        return free
 
     def scan_frontier(self, scan_values: set[str]) -> set[str]:
         """The prepare values the scan reads: inputs of its ops, and the inputs of the K x V

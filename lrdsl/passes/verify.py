@@ -240,6 +240,11 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
     _require(kinds.count(StateIn) == 1, f"{rec.name}: a chunk program has exactly one entry state")
     roles = dict(prog.outputs)
     _require(shapes.get(roles.get("state")) == ("K", "V"), f"{rec.name}: the exit state must be K x V")
+    for value in prog.chunk_size_free:
+        # a chunk-size-free value is a tile of rows, one per token (no axis over the chunk's columns)
+        shape = shapes.get(value)
+        _require(shape is not None and shape[:1] == ("C",) and "C" not in shape[1:],
+                 f"{rec.name}: chunk-size-free {value} must be a per-row value of the program, got {shape}")
     if prog.direction == "forward":
         _require(set(roles) == {"o", "state"}, f"{rec.name}: outputs must be o and state, got {sorted(roles)}")
         _require(shapes.get(roles.get("o")) == ("C", "V"), f"{rec.name}: the output o must be C x V")
@@ -318,6 +323,10 @@ def verify_chunk_plans(plans: ChunkPlans) -> None:
                 _require(value in available and value in buffers, f"{where}: kernel {kernel.name} stores {value} it lacks")
             stored |= set(kernel.stores)
         _require(buffers == stored, f"{where}: buffers {sorted(buffers)} but kernels store {sorted(stored)}")
+        if plan.output_at_multiple:  # rule 6: one chunk kernel after the scan, reading its entry states
+            _require(plan.kernels[-1].kind == "chunk" and plan.kernels[-2] is scans[0]
+                     and prog.state_in in plan.kernels[-1].loads,
+                     f"{where}: an output kernel at a multiple of the scan's chunk size must follow the scan and read its entry states")
 
 
 @verifies(BackwardPlan)
