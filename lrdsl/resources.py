@@ -32,6 +32,7 @@ from dataclasses import dataclass
 SM90_SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on sm_90
 SM90_REGISTERS = 65_536  # 32-bit registers of one multiprocessor
 SM90_THREAD_REGISTERS = 255  # the most one thread may use
+SM90_MULTIPROCESSORS = 132  # of an H100 SXM or H200: the rules that weigh a call's programs against them
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,9 @@ class _LaunchRecorder:
     """Records each kernel launch (kernel, bound arguments, options) of a module called on meta
     tensors (shapes and dtypes, no data): JITFunction.run is replaced, and the module's input
     check, which accepts only CUDA tensors or CPU ones under the interpreter, is given CPU
-    tensors of the same shapes."""
+    tensors of the same shapes. The module's rules that weigh a call's programs against the
+    GPU's multiprocessors (segmented scans, few-program launch settings, the scan's chunk size)
+    see an sm_90 GPU's count, so the recorded launches are those such a GPU runs."""
 
     def __init__(self, module):
         self.module = module
@@ -101,6 +104,7 @@ class _LaunchRecorder:
         from triton.runtime.jit import JITFunction
 
         self._run, self._check = JITFunction.run, self.module._check_call
+        self._multiprocessors = getattr(self.module, "_multiprocessors", None)  # None: no chunk kernels
         recorder, check = self, self.module._check_call
 
         def run(fn, *args, grid, warmup, **kwargs):
@@ -120,12 +124,16 @@ class _LaunchRecorder:
 
         JITFunction.run = run
         self.module._check_call = check_shapes
+        if self._multiprocessors is not None:
+            self.module._multiprocessors = lambda q: SM90_MULTIPROCESSORS
         return self
 
     def __exit__(self, *exc):
         from triton.runtime.jit import JITFunction
 
         JITFunction.run, self.module._check_call = self._run, self._check
+        if self._multiprocessors is not None:
+            self.module._multiprocessors = self._multiprocessors
 
 
 def _compile(fn, args, kwargs, arch: int):

@@ -638,10 +638,13 @@ def test_backward_keeps_a_chunk_size_the_caller_gives(policy, generator, device,
 
 
 def _record_chunk_sizes(mod, monkeypatch):
-    """[(who, chunk size)] of every forward launch (the backward's re-runs included) and backward call."""
+    """[(who, chunk size)] of every forward launch (the backward's re-runs included; the output
+    kernel's chunk size, where the kernels before it ran at a smaller one: plan rule 6) and
+    backward call."""
     sizes, backward, launcher = [], mod._chunk_backward, mod._CHUNK_LAUNCHERS["split"]
     monkeypatch.setattr(mod, "_chunk_backward", lambda c, *rest: sizes.append(("backward", c["BT"])) or backward(c, *rest))
-    monkeypatch.setitem(mod._CHUNK_LAUNCHERS, "split", lambda c, *a, **kw: sizes.append(("forward", c["BT"])) or launcher(c, *a, **kw))
+    monkeypatch.setitem(mod._CHUNK_LAUNCHERS, "split", lambda c, *a, **kw: sizes.append(
+        ("forward", (kw.get("output_c") or c)["BT"])) or launcher(c, *a, **kw))
     return sizes
 
 
