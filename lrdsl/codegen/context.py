@@ -231,7 +231,7 @@ def read_only_by_solves(ctx: KernelContext, value: str) -> bool:
 # arithmetic stays 32-bit (sm_90: fewer registers and integer instructions per load and store;
 # gdn's system kernel 0.114 -> 0.085 ms at 4 x 4096). The scans ("scan") keep an int64 row per
 # element, (bos + o_t): the first-row form ran gdn's forward scan 0.69 -> 0.80 ms at 1 x 32768
-# (its segmented walk), measured in BENCHMARKS.md round 22.
+# (64 programs, fewer than the multiprocessors: each waits on its own chain), BENCHMARKS.md round 22.
 FIRST_ROW = "row0"
 
 
