@@ -229,9 +229,9 @@ def read_only_by_solves(ctx: KernelContext, value: str) -> bool:
 # ("chunk"): a scalar (int64: the chunk's first row `row0`, the head) plus offsets within the
 # chunk (int32: rows o_c, columns), added to the pointer in that order, so the per-element
 # arithmetic stays 32-bit (sm_90: fewer registers and integer instructions per load and store;
-# gdn's system kernel 0.114 -> 0.085 ms at 4 x 4096). The scans ("scan") keep an int64 row per
-# element, (bos + o_t): the first-row form ran gdn's forward scan 0.69 -> 0.80 ms at 1 x 32768
-# (64 programs, fewer than the multiprocessors: each waits on its own chain), BENCHMARKS.md round 22.
+# gdn's forward + backward 4-6 % faster, BENCHMARKS.md round 22). The scans ("scan") keep an int64
+# row per element, (bos + o_t): the first-row form measured slower in gdn's forward scan at
+# 1 x 32768 (64 programs, fewer than the multiprocessors: each waits on its own chain).
 FIRST_ROW = "row0"
 
 
