@@ -16,7 +16,7 @@ import torch
 from lrdsl import reference
 from lrdsl.cli import main
 from lrdsl.passes.pipeline import STAGES
-from lrdsl.workloads import Shape, make_inputs
+from lrdsl.workloads import TOLERANCE, Shape, make_inputs
 
 from conftest import HAS_GPU, INTERPRETED, ROOT
 from helpers import assert_close, recurrence, spec_path
@@ -363,3 +363,50 @@ def test_ncu_stall_summary_of_a_sass_view(tmp_path):
     assert out[1].split() == ["long_sb", "70.0", "%"] and out[2].split() == ["barrier", "30.0", "%"]
     hmma = next(line for line in out if "HMMA" in line)
     assert hmma.split()[:2] == ["90.0", "%"] and "[long_sb 78 %, barrier 22 %]" in hmma
+
+
+REPLAY_SCRIPT = ROOT / "scripts" / "replay_bf16.py"
+
+
+def _replay_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("replay_bf16", REPLAY_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_replay_rounds_fp32_to_bf16_as_torch_does(generator):
+    """scripts/replay_bf16.py's fp32 -> bf16 rounding (what the GPU does; the interpreter
+    truncates) gives torch's bit patterns: random values over many binades, exact ties (odd and
+    even kept parts), values that carry into the exponent, subnormals, signed zeros, infinities,
+    the largest finite values and NaN."""
+    replay = _replay_module()
+    random = torch.randn(4096, generator=generator) * torch.exp2(torch.randint(-130, 120, (4096,), generator=generator).float())
+    kept = torch.randint(0, 2**15, (512,), generator=generator, dtype=torch.int32) << 16
+    ties = (kept | 0x8000).view(torch.float32)  # exactly halfway: odd and even kept parts
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.3895314e38, -3.3895314e38, 1e-40, -1e-42,
+                            1.0 + 2**-8, 1.0 + 3 * 2**-8, 2.0 - 2**-9, 2.0 - 2**-23, float("nan")])
+    values = torch.cat([random, ties, special])
+    got = torch.from_numpy(replay.round_to_bfloat16_bits(values.numpy()).view("int16"))
+    expected = values.to(torch.bfloat16).view(torch.int16)
+    finite = ~torch.isnan(values)
+    assert torch.equal(got[finite], expected[finite])
+    assert torch.isnan(got[~finite].view(torch.bfloat16)).all()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="replays on the CPU interpreter")
+def test_replay_bf16_reports_each_gradient_and_where_its_error_lies():
+    """The script as a user runs it, on a small gdn case: every gradient's error against the
+    float64 oracle within bf16's tolerance (the inputs are bf16; the interpreter rounds to nearest
+    here, as the GPU does), and where the largest share of each per-token gradient's error lies."""
+    result = subprocess.run([sys.executable, str(REPLAY_SCRIPT), "specs/gdn.toml", "--seed", "7", "--shape", "1,40,1,2,32,32",
+                             "--chunk-size", "16"], cwd=ROOT, env=user_environment(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("gdn seed 7 shape 1,40,1,2,32,32: bf16 rounded to nearest, precision input, o ")
+    errors = {line.split()[0]: float(line.split()[1]) for line in lines[1:]}
+    assert list(errors) == ["d_q", "d_k", "d_v", "d_g", "d_beta", "d_h0"]
+    assert all(0 < e <= TOLERANCE[torch.bfloat16] for e in errors.values()), errors
+    where = [line for line in lines[1:] if "most at token" in line]
+    assert len(where) == 5 and all(re.search(r"most at token \d+, head [01]: \d+% of it", line) for line in where), where
