@@ -14,10 +14,13 @@ commits or codegen choices); every one runs on the same inputs, and its outputs 
         [--vary 'NAME@1x65536x2x8:SCAN_PROGRAMS_PER_MULTIPROCESSOR=8&SCAN_COMBINE_BV=16;...']
                                                  # module constants of one module (Python literals,
                                                  # joined by &), one variant per item
+        [--autotune-cache DIR]   # FLA's autotuning results kept between runs, per GPU model
+                                 # (scripts/autotune_cache.py): a fresh machine skips re-tuning
 
 Results go to $OUT/perf.json (or /tmp) and a summary table.
 """
 import argparse, ast, importlib.util, json, os, sys, time, glob
+from pathlib import Path
 import torch, triton, triton.testing
 
 sys.path.insert(0, os.getcwd())
@@ -41,6 +44,9 @@ p.add_argument("--vary", default="")  # NAME@SHAPE:CONST=VALUE&...;... module-co
 p.add_argument("--oracle", default="")  # comma list of module names
 p.add_argument("--rounds", type=int, default=1)  # timings per contender, in turn after all are warm (median)
 p.add_argument("--precision", default="input")  # lrdsl modules' precision= (FLA has none)
+# DIR: FLA's autotuning results from earlier runs on this GPU model, seeded into Triton's cache
+# before FLA is imported and collected back after each shape (scripts/autotune_cache.py)
+p.add_argument("--autotune-cache", default="")
 args = p.parse_args()
 
 rec = run_pipeline(load_spec(args.spec), until="recurrence")["recurrence"]
@@ -54,6 +60,16 @@ def load(path):
 
 mods = {os.path.splitext(os.path.basename(f))[0]: load(f) for f in sorted(glob.glob(args.mods))}
 fla = None
+def keep_autotuning():
+    """With --autotune-cache: copy the tuning results Triton's cache holds out to DIR."""
+    if args.autotune_cache:
+        autotune_cache.collect(Path(args.autotune_cache), torch.cuda.get_device_name(), Path(triton.knobs.cache.dir))
+
+if args.autotune_cache:
+    import autotune_cache  # scripts/, this script's folder
+    triton.knobs.autotuning.cache = True  # read when FLA's kernels are decorated, at its import
+    seeded = autotune_cache.seed(Path(args.autotune_cache), torch.cuda.get_device_name(), Path(triton.knobs.cache.dir))
+    print(f"autotune cache: {seeded} tuning results seeded from {args.autotune_cache}", flush=True)
 if args.fla:
     import fla.ops.common.chunk_o as co
     co.TRITON_ABOVE_3_7_1 = True
@@ -200,6 +216,7 @@ for args.backward in ([False, True] if args.both else [args.backward]):
                 kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
                 calls = [(e.name[:40], round(e.time_range.elapsed_us() / 1000, 4)) for e in kernels[len(kernels) * 2 // 3:]]
                 rec_row(kind="profile", shape=s, impl=name, kernels_ms=top, calls=calls)
+        keep_autotuning()
         torch.cuda.empty_cache()
 
 

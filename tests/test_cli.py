@@ -410,3 +410,30 @@ def test_replay_bf16_reports_each_gradient_and_where_its_error_lies():
     assert all(0 < e <= TOLERANCE[torch.bfloat16] for e in errors.values()), errors
     where = [line for line in lines[1:] if "most at token" in line]
     assert len(where) == 5 and all(re.search(r"most at token \d+, head [01]: \d+% of it", line) for line in where), where
+
+
+def test_autotune_results_travel_between_machines_per_gpu_model(tmp_path):
+    """scripts/autotune_cache.py: results collected from one Triton cache under the GPU model's
+    folder seed another machine's empty cache at the same <hash>/<kernel>.autotune.json places,
+    and only for that model; compiled kernels and other files stay behind."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("autotune_cache", ROOT / "scripts" / "autotune_cache.py")
+    cache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cache)
+
+    first = tmp_path / "first"
+    for key, kernel in [("a1", "chunk_fwd_kernel_o"), ("b2", "recompute_w_u_fwd_kernel")]:
+        (first / key).mkdir(parents=True)
+        (first / key / f"{kernel}.autotune.json").write_text(f'{{"key": "{key}", "configs_timings": []}}')
+        (first / key / f"{kernel}.cubin").write_bytes(b"\0" * 8)
+    store = tmp_path / "store"
+    assert cache.collect(store, "NVIDIA H200", first) == 2
+    assert sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file()) == [
+        "NVIDIA_H200/a1/chunk_fwd_kernel_o.autotune.json", "NVIDIA_H200/b2/recompute_w_u_fwd_kernel.autotune.json"]
+
+    second = tmp_path / "second"
+    assert cache.seed(store, "NVIDIA H100 80GB HBM3", second) == 0 and not second.exists()
+    assert cache.seed(store, "NVIDIA H200", second) == 2
+    assert (second / "a1" / "chunk_fwd_kernel_o.autotune.json").read_text() == '{"key": "a1", "configs_timings": []}'
+    assert not list(second.rglob("*.cubin"))
+    assert cache.collect(store, "NVIDIA H200", tmp_path / "absent") == 0
