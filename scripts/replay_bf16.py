@@ -1,8 +1,8 @@
-"""Replay a bf16 gradient case of the GPU tests on the CPU interpreter, rounding as the GPU does,
+"""Replay a bf16 gradient case of the GPU tests on the CPU interpreter, computing as the GPU does,
 and say where each gradient's error lies.
 
     python scripts/replay_bf16.py SPEC --seed N [--shape B,T,H,HV,K,V] [--chunk-size C] [--precision tf32]
-                                       [--no-final-gradient] [--truncate]
+                                       [--no-final-gradient] [--fp32-operands] [--truncate]
 
 The inputs are drawn as tests/test_gpu.py's `_gradients` draws its dense case from `--seed`
 (default shape: its GRAD_DENSE, 2,257,2,4,128,128): q, k, v and the spec's inputs in bf16, the
@@ -11,11 +11,16 @@ runs forward + backward on Triton's CPU interpreter, the float64 oracle beside i
 prints the relative error (as the tests measure it) and the token and value head holding the most
 of its squared error, with that token's own relative error.
 
-Why the rounding: Triton 3.6's interpreter converts fp32 to bf16 (a `.to(tl.bfloat16)`, a store
-into a bf16 tensor) by cutting the low mantissa bits off, where the GPU rounds to the nearest.
-Truncation is biased, so bf16 errors on the interpreter come out several times the GPU's (gdn_qwen35
-at seed 95345326: k's gradient 1.1e-2 truncated, 3.0e-3 rounded). This script swaps in round to
-nearest (ties to even) for that one conversion; --truncate keeps the interpreter's own.
+Two things make a plain bf16 run on the CPU unlike the GPU's, and this script undoes both:
+- Triton 3.6's interpreter converts fp32 to bf16 (a `.to(tl.bfloat16)`, a store into a bf16
+  tensor) by cutting the low mantissa bits off, where the GPU rounds to the nearest; truncation is
+  biased, and the errors come out several times the GPU's. Here that conversion rounds to the
+  nearest, ties to even (--truncate keeps the interpreter's own).
+- On the CPU a module multiplies in fp32 (its `_exact_products`: the interpreter's dot would take
+  bf16 tiles, stored as uint16, for integers). Here its dots get bf16 operands as on a GPU, which
+  the interpreter's dot widens to fp32 exactly and sums in fp32, a tensor core's arithmetic
+  (--fp32-operands keeps the CPU's). gdn_qwen35 at seed 95345326 replays d_a at 1.27e-2, the
+  GPU's own figure for those inputs.
 """
 from __future__ import annotations
 
@@ -65,6 +70,30 @@ def use_round_to_nearest() -> None:
     interpreter._convert_float = convert_rounding
 
 
+def use_16_bit_operands(module) -> None:
+    """Make the module multiply bf16 operands as on a GPU. On the CPU it multiplies in fp32
+    (`_exact_products`: the interpreter's dot takes bf16 tiles, stored as uint16, for integers);
+    here its dots get bf16 operands, which the interpreter's dot now widens to fp32 exactly before
+    multiplying, accumulating in fp32: a tensor core's products and sums."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data.reshape(handle.data.shape), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    module._exact_products = lambda q: q.dtype in (torch.float32, torch.float64)
+
+
 def draw(rec, shape: Shape, seed: int):
     """tests/test_gpu.py's dense gradient case: inputs, h0, d_o, d_ht in its order of draws."""
     generator = torch.Generator().manual_seed(seed)
@@ -100,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="input", choices=("input", "tf32"), help="chunk()'s precision=")
     p.add_argument("--no-final-gradient", action="store_true", help="d_ht = 0")
     p.add_argument("--truncate", action="store_true", help="keep the interpreter's truncating conversion")
+    p.add_argument("--fp32-operands", action="store_true", help="keep the CPU module's fp32 matmul operands")
     args = p.parse_args(argv)
     if not config.interpreting():
         sys.exit("replay_bf16.py replays on the CPU interpreter: run it where there is no GPU (or TRITON_INTERPRET=1)")
@@ -113,14 +143,18 @@ def main(argv=None) -> int:
         d_ht.zero_()
     kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     leaves = [t.clone().requires_grad_() for t in (*tensors, h0)]
-    o, ht = lrdsl.load(args.spec).chunk(*leaves[:-1], initial_state=leaves[-1], chunk_size=args.chunk_size,
-                                      precision=args.precision, **kwargs)
+    module = lrdsl.load(args.spec)
+    if not args.fp32_operands:
+        use_16_bit_operands(module)
+    o, ht = module.chunk(*leaves[:-1], initial_state=leaves[-1], chunk_size=args.chunk_size,
+                         precision=args.precision, **kwargs)
     got = torch.autograd.grad((o, ht), leaves, (d_o.to(o.dtype), d_ht))
     refs = [t.double().requires_grad_() for t in (*tensors, h0)]
     ref_o, ref_ht = reference.run(rec, *refs[:-1], initial_state=refs[-1], **kwargs)
     expected = torch.autograd.grad((ref_o, ref_ht), refs, (d_o.double(), d_ht.double()))
     rounding = "truncated" if args.truncate else "rounded to nearest"
-    print(f"{rec.name} seed {args.seed} shape {args.shape}: bf16 {rounding}, precision {args.precision}, "
+    operands = "fp32" if args.fp32_operands else "bf16"
+    print(f"{rec.name} seed {args.seed} shape {args.shape}: bf16 {rounding}, {operands} operands, precision {args.precision}, "
           f"o {relative_error(o, ref_o):.2e}, final state {relative_error(ht, ref_ht):.2e}")
     for name, a, b in zip(["q", "k", "v", *(i.name for i in rec.inputs)], got, expected):
         print(f"d_{name:<8} {relative_error(a, b):.2e}{where_the_error_lies(a, b, shape.T)}")

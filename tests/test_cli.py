@@ -399,12 +399,13 @@ def test_replay_rounds_fp32_to_bf16_as_torch_does(generator):
 def test_replay_bf16_reports_each_gradient_and_where_its_error_lies():
     """The script as a user runs it, on a small gdn case: every gradient's error against the
     float64 oracle within bf16's tolerance (the inputs are bf16; the interpreter rounds to nearest
-    here, as the GPU does), and where the largest share of each per-token gradient's error lies."""
+    and the dots take bf16 operands here, as on the GPU), and where the largest share of each
+    per-token gradient's error lies."""
     result = subprocess.run([sys.executable, str(REPLAY_SCRIPT), "specs/gdn.toml", "--seed", "7", "--shape", "1,40,1,2,32,32",
                              "--chunk-size", "16"], cwd=ROOT, env=user_environment(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("gdn seed 7 shape 1,40,1,2,32,32: bf16 rounded to nearest, precision input, o ")
+    assert lines[0].startswith("gdn seed 7 shape 1,40,1,2,32,32: bf16 rounded to nearest, bf16 operands, precision input, o ")
     errors = {line.split()[0]: float(line.split()[1]) for line in lines[1:]}
     assert list(errors) == ["d_q", "d_k", "d_v", "d_g", "d_beta", "d_h0"]
     assert all(0 < e <= TOLERANCE[torch.bfloat16] for e in errors.values()), errors
