@@ -95,19 +95,28 @@ class _LaunchRecorder:
     GPU's multiprocessors (segmented scans, few-program launch settings, the scan's chunk size)
     see an sm_90 GPU's count, so the recorded launches are those such a GPU runs."""
 
-    def __init__(self, module):
+    def __init__(self, module, on_launch=None):
         self.module = module
         self.launches: list[tuple] = []
+        # on_launch(kernel): called at each launch instead of recording it (the recorded arguments
+        # would keep every buffer the call allocates alive: lrdsl.memory counts what is held)
+        self.on_launch = on_launch
 
     def __enter__(self):
         import torch
         from triton.runtime.jit import JITFunction
 
+        from triton.runtime.interpreter import InterpretedFunction
+
         self._run, self._check = JITFunction.run, self.module._check_call
+        self._interpreted_run = InterpretedFunction.run
         self._multiprocessors = getattr(self.module, "_multiprocessors", None)  # None: no chunk kernels
         recorder, check = self, self.module._check_call
 
         def run(fn, *args, grid, warmup, **kwargs):
+            if recorder.on_launch is not None:
+                recorder.on_launch(fn)
+                return
             recorder.launches.append((fn, args, kwargs))
 
         def on_cpu(t):
@@ -122,16 +131,19 @@ class _LaunchRecorder:
             finally:
                 self.module._is_interpreted = interpreted
 
-        JITFunction.run = run
+        # a module loaded under the interpreter (a test process) launches InterpretedFunctions
+        JITFunction.run = InterpretedFunction.run = run
         self.module._check_call = check_shapes
         if self._multiprocessors is not None:
             self.module._multiprocessors = lambda q: SM90_MULTIPROCESSORS
         return self
 
     def __exit__(self, *exc):
+        from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
         JITFunction.run, self.module._check_call = self._run, self._check
+        InterpretedFunction.run = self._interpreted_run
         if self._multiprocessors is not None:
             self.module._multiprocessors = self._multiprocessors
 

@@ -1,0 +1,77 @@
+"""lrdsl.memory: the bytes a chunk call holds at each kernel launch, counted on meta tensors, are
+what the same call holds when its kernels run (here on the CPU interpreter, with real tensors)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lrdsl import config
+from lrdsl.memory import MiB, HeldAtLaunch, LiveAllocations, call_memory, peak
+from lrdsl.workloads import Shape, make_inputs
+
+from conftest import ROOT
+from helpers import module, recurrence, spec_path
+
+
+def _held_when_run(mod, rec, shape, dtype, save_policy, monkeypatch) -> list[HeldAtLaunch]:
+    """call_memory's call, run through the interpreter on CPU tensors: what is held at each launch.
+    16-bit inputs get the module's GPU rule for matmul operands (on the CPU it multiplies in fp32):
+    it decides which kept buffers are stored narrowed, and so what is held. The values the
+    interpreter then computes are meaningless (its dot takes bf16 tiles for integers); the buffers
+    are the GPU's."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    tracker, held, launch = LiveAllocations("cpu"), [], InterpretedFunction.run
+
+    def recorded(kernel, *args, **kwargs):
+        held.append(HeldAtLaunch(kernel.fn.__name__, tracker.held()))
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 132)  # as lrdsl.memory's recorder shows the module
+    monkeypatch.setattr(mod, "_exact_products", lambda q: q.dtype in (torch.float32, torch.float64))
+    tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0), normalize_keys=False)
+    leaves = [t.requires_grad_() for t in tensors]
+    d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V).to(dtype)
+    with tracker:
+        o, ht = mod.chunk(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True, save_policy=save_policy)
+        gradients = torch.autograd.grad(o, leaves, d_o)
+        held.append(HeldAtLaunch("returned", tracker.held()))
+    return held
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name, save_policy", [("gdn", "save"), ("gdn", "save_states"), ("kda", "save"), ("rwkv7", "save")])
+def test_meta_count_matches_the_run(name, save_policy, dtype, monkeypatch):
+    if not config.interpreting():
+        pytest.skip("runs the kernels through Triton's CPU interpreter")
+    rec, mod = recurrence(name), module(name)
+    shape = Shape(1, 100, 1, 2, 32, 32)
+    counted = call_memory(mod, rec, shape, dtype, save_policy=save_policy)
+    run = _held_when_run(mod, rec, shape, dtype, save_policy, monkeypatch)
+    assert [h.kernel for h in counted] == [h.kernel for h in run]
+    assert [h.buffers for h in counted] == [h.buffers for h in run]
+    top = peak(counted)
+    assert top.kernel != "returned" and top.held_bytes > counted[-1].held_bytes  # the call's buffers, then its results
+
+
+def test_cli_reports_each_launch_and_the_peak():
+    result = subprocess.run([sys.executable, "-m", "lrdsl.memory", spec_path("gdn"), "--shape", "2,300,2,4,64,64"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("gdn  B=2 T=300 H=2 HV=4 K=64 V=64  bf16  precision=input  save_policy=save  forward + backward")
+    launches = [(m[1], float(m[2])) for line in lines[1:] if (m := re.match(r"  (\w+) +([\d.]+) MiB$", line))]
+    assert launches[-1][0] == "returned" and len(launches) == len(lines) - 2
+    held = max(size for _, size in launches)
+    m = re.match(r"  peak ([\d.]+) MiB at (\w+): (.*)$", lines[-1])
+    assert m and float(m[1]) == held and m[2] in {kernel for kernel, size in launches if size == held}
+    # the peak's buffers, grouped by shape and dtype, add up to it
+    groups = re.findall(r"(\d+) x \(([\d, ]+)\) (\w+) \(", m[3])
+    element = {"bfloat16": 2, "float32": 4}
+    total = sum(int(count) * element[dtype] * eval("*".join(dims.split(", "))) for count, dims, dtype in groups)
+    assert abs(total / MiB - held) < 0.06
