@@ -136,7 +136,54 @@ RESULT_SHAPES = {
 }
 
 
-def _backward_launcher(item: BackwardPlan) -> str:
+# Tiles one program of a kernel kind both reads and writes whole, by shape: a scan program owns the
+# rows of its chunks in its block of value columns (a C x K tile it reads whole is every program's);
+# a chunk-parallel program owns its chunk's rows of its heads, all columns.
+OWNED_TILES = {"scan": {("C", "V")}, "chunk": {("C", "V"), ("C", "K"), ("C",)}}
+
+
+def _stores_after_last_load(source: str, read: str, written: str) -> bool:
+    """Whether, in a kernel's source, every load through pointer `read` comes before the first
+    store through `written`: each program then reads a tile before it writes another array's tile
+    at the same place, and the two arrays can share their storage."""
+    lines = source.splitlines()
+    loads = [i for i, line in enumerate(lines) if f"tl.load({read} +" in line]
+    stores = [i for i, line in enumerate(lines) if f"tl.store({written} +" in line]
+    return bool(loads) and bool(stores) and max(loads) < min(stores)
+
+
+def storage_reuses(prog: ChunkProgram, plan: Plan, calls: list[dict], results: list[dict],
+                   sources: dict[str, str]) -> dict[str, str]:
+    """Backward arrays that take the storage of a buffer the same kernel reads for the last time
+    (array -> buffer param): a buffer a kernel allocates and writes, or a gradient it writes, of
+    the buffer's shape and dtype (a gradient's dtype is checked at run time), where each program
+    reads the buffer's tile before it writes the array's at the same place (OWNED_TILES, and every
+    load before the first store in the kernel's source). The memory of the two is then one at the
+    kernel (gdn: d_Vn in d_Vn_via_QKtVn's in the scan, d_v in d_Vn's in the output kernel)."""
+    buffers = {b.value: b for b in plan.buffers}
+    kernels = {k.name: k for k in plan.kernels}
+    reuses, taken = {}, set()
+    for call in calls:
+        kernel = kernels[call["name"]]
+        dying = [buffers[v] for v in kernel.loads if v in buffers and v not in kernel.stores
+                 and [k.name for k in plan.kernels if v in k.loads or v in k.stores][-1] == kernel.name
+                 and buffers[v].shape in OWNED_TILES[kernel.kind]]
+        writes = [(buffer_param(v), BUFFER_SHAPES[buffers[v].shape], buffers[v].dtype) for v in kernel.stores
+                  if v in buffers and [k.name for k in plan.kernels if v in k.loads or v in k.stores][0] == kernel.name]
+        writes += [(r["param"], r["shape"], None) for r in results if not r["per_chunk"] and _first_user(calls, r["param"]) is call]
+        for param, shape, dtype in writes:
+            for buffer in dying:
+                read = buffer_param(buffer.value)
+                if read in taken or BUFFER_SHAPES[buffer.shape] != shape or dtype not in (None, buffer.dtype):
+                    continue
+                if _stores_after_last_load(sources[call["function"]], read, param):
+                    reuses[param] = read
+                    taken.add(read)
+                    break
+    return reuses
+
+
+def _backward_launcher(item: BackwardPlan, sources: dict[str, str]) -> str:
     prog = item.backward.graph.program
     plan = item.backward.plans[0]  # the backward has no solve: its plans coincide
     inputs = ["q", "k", "v"] + [i.name for i in prog.recurrence.inputs]
@@ -163,6 +210,11 @@ def _backward_launcher(item: BackwardPlan) -> str:
     # what one kernel needs plus what crosses it, not every buffer of the call at once.
     variables = {b["param"]: b["users"] for b in buffers}
     variables.update({f"saved_{name}": tuple(c["name"] for c in calls if f"saved_{name}" in c["params"]) for name in item.reads})
+    reuses = storage_reuses(prog, plan, calls, results, sources)
+    for buffer in buffers:
+        buffer["reuses"] = reuses.get(buffer["param"])
+    for result in results:
+        result["reuses"] = reuses.get(result["param"])
     for call in calls:
         call["allocates"] = [b for b in buffers if b["users"][0] == call["name"]]
         call["allocates_results"] = [r for r in results if _first_user(calls, r["param"]) is call]
@@ -225,7 +277,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         smaller_scan_chunks=repr(smaller_scan_chunks),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p, copies[p.name]) for p in plans.plans],
-        backward=_backward_launcher(item),
+        backward=_backward_launcher(item, kernels),
         save_policies=repr(save_policies),
         default_policy=item.default_policy,
         spec_name=prog.recurrence.name,
