@@ -8,6 +8,7 @@ until the backward returns, whatever the launchers drop: those count as needed t
 kept buffer outside autograd's saved tensors would escape activation checkpointing's hooks)."""
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import pytest
@@ -69,3 +70,45 @@ def test_no_buffer_outlives_its_last_kernel(name, plan, generator, monkeypatch):
         needed = set().union(*(args for _, _, args in launches[i:])) | returned | saved
         held = {shape for pointer, shape in live.items() if pointer not in needed}
         assert not held, f"{name} {plan}: at {kernel} the call still holds arrays of shapes {sorted(held)} no later kernel reads"
+
+
+def test_a_store_may_share_storage_only_after_the_last_load():
+    """storage_reuses' source check: every load through the read buffer before the first store
+    through the written array; a load after it (a reload), or no load or store, refuses."""
+    from lrdsl.codegen.chunk import _stores_after_last_load
+
+    source = "\n".join(["    b_x = tl.load(buf_x + offsets)", "    b_y = b_x * 2", "    tl.store(buf_y + offsets, b_y)"])
+    assert _stores_after_last_load(source, "buf_x", "buf_y")
+    reload = source + "\n    b_z = tl.load(buf_x + offsets)"
+    assert not _stores_after_last_load(reload, "buf_x", "buf_y")
+    assert not _stores_after_last_load(source, "buf_w", "buf_y") and not _stores_after_last_load(source, "buf_x", "buf_w")
+
+
+@pytest.mark.parametrize("name, reuses", [("gdn", {"buf_d_Vn": "buf_d_Vn_via_QKtVn", "d_v": "buf_d_Vn"}),
+                                          ("rwkv7", {"buf_d_U": "buf_d_U_via_QBtU", "d_v": "buf_d_U"}),
+                                          ("gla", {})])
+def test_backward_arrays_take_the_storage_of_buffers_read_for_the_last_time(name, reuses, generator, monkeypatch):
+    """The backward kernels get one storage for each reusing pair (the launch arguments share
+    it), and the gradients stay the oracle's (tests/test_backward.py for every spec)."""
+    if not config.interpreting():
+        pytest.skip("records the launches through Triton's CPU interpreter (the launchers are the same on a GPU)")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    rec, mod = recurrence(name), module(name)
+    shared, launch = {}, InterpretedFunction.run
+
+    def recorded(kernel, *args, **kwargs):
+        bound = dict(zip(inspect.signature(kernel.fn).parameters, args))
+        for array, buffer in reuses.items():
+            if isinstance(bound.get(array), torch.Tensor) and isinstance(bound.get(buffer), torch.Tensor):
+                shared[array] = bound[array].data_ptr() == bound[buffer].data_ptr()
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    shape = Shape(1, 40, 1, 2, 16, 16)
+    leaves = [t.requires_grad_() for t in sample(rec, shape, torch.bfloat16, generator)]
+    o, _ = mod.chunk(*leaves, chunk_size=16)
+    torch.autograd.grad(o.float().sum(), leaves)
+    assert shared == {array: True for array in reuses}
+    source = open(mod.__file__).read()
+    assert source.count("in the storage of") == len(reuses)
