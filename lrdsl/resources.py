@@ -104,9 +104,8 @@ class _LaunchRecorder:
 
     def __enter__(self):
         import torch
-        from triton.runtime.jit import JITFunction
-
         from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
 
         self._run, self._check = JITFunction.run, self.module._check_call
         self._interpreted_run = InterpretedFunction.run

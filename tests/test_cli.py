@@ -368,9 +368,10 @@ def test_ncu_stall_summary_of_a_sass_view(tmp_path):
 REPLAY_SCRIPT = ROOT / "scripts" / "replay_bf16.py"
 
 
-def _replay_module():
+def _script_module(name: str):
+    """scripts/NAME.py imported as a module (the scripts folder is not a package)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("replay_bf16", REPLAY_SCRIPT)
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -381,7 +382,7 @@ def test_replay_rounds_fp32_to_bf16_as_torch_does(generator):
     truncates) gives torch's bit patterns: random values over many binades, exact ties (odd and
     even kept parts), values that carry into the exponent, subnormals, signed zeros, infinities,
     the largest finite values and NaN."""
-    replay = _replay_module()
+    replay = _script_module("replay_bf16")
     random = torch.randn(4096, generator=generator) * torch.exp2(torch.randint(-130, 120, (4096,), generator=generator).float())
     kept = torch.randint(0, 2**15, (512,), generator=generator, dtype=torch.int32) << 16
     ties = (kept | 0x8000).view(torch.float32)  # exactly halfway: odd and even kept parts
@@ -417,10 +418,7 @@ def test_autotune_results_travel_between_machines_per_gpu_model(tmp_path):
     """scripts/autotune_cache.py: results collected from one Triton cache under the GPU model's
     folder seed another machine's empty cache at the same <hash>/<kernel>.autotune.json places,
     and only for that model; compiled kernels and other files stay behind."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("autotune_cache", ROOT / "scripts" / "autotune_cache.py")
-    cache = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cache)
+    cache = _script_module("autotune_cache")
 
     first = tmp_path / "first"
     for key, kernel in [("a1", "chunk_fwd_kernel_o"), ("b2", "recompute_w_u_fwd_kernel")]:

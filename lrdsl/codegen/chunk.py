@@ -99,6 +99,11 @@ def _calls(prog: ChunkProgram, plan: Plan, copies: dict[str, tuple[str, ...]] | 
     return calls
 
 
+def _users(plan: Plan, value: str) -> tuple[str, ...]:
+    """The plan's kernels that read or write buffer `value`, in launch order."""
+    return tuple(k.name for k in plan.kernels if value in k.loads or value in k.stores)
+
+
 def _buffers(plan: Plan) -> list[dict]:
     return [
         dict(
@@ -106,7 +111,7 @@ def _buffers(plan: Plan) -> list[dict]:
             param=buffer_param(b.value),
             shape=BUFFER_SHAPES[b.shape],
             dtype="acc_dtype" if b.dtype == "fp32" else "c[\"io_dtype\"]",
-            users=tuple(k.name for k in plan.kernels if b.value in k.loads or b.value in k.stores),
+            users=_users(plan, b.value),
         )
         for b in plan.buffers
     ]
@@ -152,8 +157,7 @@ def _stores_after_last_load(source: str, read: str, written: str) -> bool:
     return bool(loads) and bool(stores) and max(loads) < min(stores)
 
 
-def storage_reuses(prog: ChunkProgram, plan: Plan, calls: list[dict], results: list[dict],
-                   sources: dict[str, str]) -> dict[str, str]:
+def storage_reuses(plan: Plan, calls: list[dict], results: list[dict], sources: dict[str, str]) -> dict[str, str]:
     """Backward arrays that take the storage of a buffer the same kernel reads for the last time
     (array -> buffer param): a buffer a kernel allocates and writes, or a gradient it writes, of
     the buffer's shape and dtype (a gradient's dtype is checked at run time), where each program
@@ -166,10 +170,9 @@ def storage_reuses(prog: ChunkProgram, plan: Plan, calls: list[dict], results: l
     for call in calls:
         kernel = kernels[call["name"]]
         dying = [buffers[v] for v in kernel.loads if v in buffers and v not in kernel.stores
-                 and [k.name for k in plan.kernels if v in k.loads or v in k.stores][-1] == kernel.name
-                 and buffers[v].shape in OWNED_TILES[kernel.kind]]
+                 and _users(plan, v)[-1] == kernel.name and buffers[v].shape in OWNED_TILES[kernel.kind]]
         writes = [(buffer_param(v), BUFFER_SHAPES[buffers[v].shape], buffers[v].dtype) for v in kernel.stores
-                  if v in buffers and [k.name for k in plan.kernels if v in k.loads or v in k.stores][0] == kernel.name]
+                  if v in buffers and _users(plan, v)[0] == kernel.name]
         writes += [(r["param"], r["shape"], None) for r in results if not r["per_chunk"] and _first_user(calls, r["param"]) is call]
         for param, shape, dtype in writes:
             for buffer in dying:
@@ -210,7 +213,7 @@ def _backward_launcher(item: BackwardPlan, sources: dict[str, str]) -> str:
     # what one kernel needs plus what crosses it, not every buffer of the call at once.
     variables = {b["param"]: b["users"] for b in buffers}
     variables.update({f"saved_{name}": tuple(c["name"] for c in calls if f"saved_{name}" in c["params"]) for name in item.reads})
-    reuses = storage_reuses(prog, plan, calls, results, sources)
+    reuses = storage_reuses(plan, calls, results, sources)
     for buffer in buffers:
         buffer["reuses"] = reuses.get(buffer["param"])
     for result in results:
