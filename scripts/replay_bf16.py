@@ -3,6 +3,7 @@ and say where each gradient's error lies.
 
     python scripts/replay_bf16.py SPEC --seed N [--shape B,T,H,HV,K,V] [--chunk-size C] [--precision tf32]
                                        [--no-final-gradient] [--fp32-operands] [--truncate]
+                                       [--after-forward]
 
 The inputs are drawn as tests/test_gpu.py's `_gradients` draws its dense case from `--seed`
 (default shape: its GRAD_DENSE, 2,257,2,4,128,128): q, k, v and the spec's inputs in bf16, the
@@ -94,9 +95,14 @@ def use_16_bit_operands(module) -> None:
     module._exact_products = lambda q: q.dtype in (torch.float32, torch.float64)
 
 
-def draw(rec, shape: Shape, seed: int):
-    """tests/test_gpu.py's dense gradient case: inputs, h0, d_o, d_ht in its order of draws."""
+def draw(rec, shape: Shape, seed: int, after_forward: bool = False):
+    """tests/test_gpu.py's dense gradient case: inputs, h0, d_o, d_ht in its order of draws;
+    `after_forward`: after a forward case's inputs and h0 (tests that call _forward first with
+    the same generator, as test_gpu_large_and_odd_head_dims does)."""
     generator = torch.Generator().manual_seed(seed)
+    if after_forward:
+        make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator, normalize_keys=False)
+        torch.randn(shape.B, shape.HV, shape.K, shape.V, generator=generator)
     tensors = make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator, normalize_keys=False)
     h0 = torch.randn(shape.B, shape.HV, shape.K, shape.V, generator=generator)
     d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator)
@@ -127,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="2,257,2,4,128,128", help="B,T,H,HV,K,V")
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--precision", default="input", choices=("input", "tf32"), help="chunk()'s precision=")
+    p.add_argument("--after-forward", action="store_true",
+                   help="draw as a test that runs a forward case first (test_gpu_large_and_odd_head_dims)")
     p.add_argument("--no-final-gradient", action="store_true", help="d_ht = 0")
     p.add_argument("--truncate", action="store_true", help="keep the interpreter's truncating conversion")
     p.add_argument("--fp32-operands", action="store_true", help="keep the CPU module's fp32 matmul operands")
@@ -138,7 +146,7 @@ def main(argv=None) -> int:
 
     rec = run_pipeline(load_spec(args.spec), until="recurrence")["recurrence"]
     shape = Shape(*map(int, args.shape.split(",")))
-    tensors, h0, d_o, d_ht = draw(rec, shape, args.seed)
+    tensors, h0, d_o, d_ht = draw(rec, shape, args.seed, args.after_forward)
     if args.no_final_gradient:
         d_ht.zero_()
     kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)

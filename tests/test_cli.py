@@ -396,6 +396,31 @@ def test_replay_rounds_fp32_to_bf16_as_torch_does(generator):
     assert torch.isnan(got[~finite].view(torch.bfloat16)).all()
 
 
+def test_replay_draws_as_the_gpu_tests_draw():
+    """scripts/replay_bf16.py's draw() gives the inputs tests/test_gpu.py's _gradients draws from
+    a seed, and with after_forward those of a test that runs a _forward case first on the same
+    generator (test_gpu_large_and_odd_head_dims), so a failing seed replays on the CPU."""
+    replay = _script_module("replay_bf16")
+    rec = recurrence("gdn")
+    shape = Shape(1, 20, 1, 2, 8, 8)
+
+    def as_the_tests_draw(seed, forward_first):
+        generator = torch.Generator().manual_seed(seed)
+        drawn = []
+        for _ in range(2 if forward_first else 1):  # _inputs(): the spec's inputs, then h0
+            drawn = [*make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator, normalize_keys=False),
+                     torch.randn(shape.B, shape.HV, shape.K, shape.V, generator=generator)]
+        d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator)
+        return drawn, d_o, torch.randn(drawn[-1].shape, generator=generator)
+
+    for forward_first in (False, True):
+        tensors, h0, d_o, d_ht = replay.draw(rec, shape, 5, after_forward=forward_first)
+        expected, expected_d_o, expected_d_ht = as_the_tests_draw(5, forward_first)
+        got = [*tensors, h0, d_o, d_ht]
+        assert all(torch.equal(a, b) for a, b in zip(got, [*expected, expected_d_o, expected_d_ht], strict=True))
+    assert not torch.equal(replay.draw(rec, shape, 5)[1], replay.draw(rec, shape, 5, after_forward=True)[1])
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="replays on the CPU interpreter")
 def test_replay_bf16_reports_each_gradient_and_where_its_error_lies():
     """The script as a user runs it, on a small gdn case: every gradient's error against the

@@ -55,6 +55,16 @@ def _forward(name, kernel, case, generator, **options):
 
 
 def _gradients(name, case, generator, kernel="chunk", per_head_checked=True, **options):
+    """Gradients of <o, d_o> + <ht, d_ht> and of <o, d_o> alone against the oracle's.
+
+    With bf16 matmul operands (any precision but "tf32"), a per-token input's gradient at a
+    sequence's last token holds <H, d_ht>: a sum over the K x V state of the forward state against
+    a random d_ht unrelated to it, which mostly cancels, so the state's bf16 error (about 3e-3)
+    comes out several times larger there. gdn at K = 200, V = 136, seed 1509646467 (in
+    test_gpu_large_and_odd_head_dims): d_g 9.1e-3, 41 % of it at the last token (1.7e-2 there);
+    2.9e-3 with d_ht = 0; 2.7e-4 in tf32 (scripts/replay_bf16.py --after-forward replays it on
+    the CPU to the digit). So in bf16 those gradients are asserted on the d_o-only pass, and with
+    d_ht in tf32 (test_gpu_chunk_gradients_tf32); q, k, v and h0 are asserted with d_ht always."""
     rec, tensors, h0, cu = _inputs(name, case, generator)
     shape = case["shape"]
     d_o = torch.randn(shape.B, shape.T, shape.HV, shape.V, generator=generator).cuda()
@@ -62,16 +72,26 @@ def _gradients(name, case, generator, kernel="chunk", per_head_checked=True, **o
     kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     leaves = [t.detach().clone().requires_grad_() for t in tensors] + [h0.detach().clone().requires_grad_()]
     o, ht = getattr(module(name), kernel)(*leaves[:-1], initial_state=leaves[-1], **kwargs, **options)
-    grads = torch.autograd.grad((o, ht), leaves, (d_o.to(o.dtype), d_ht))
+    grads = torch.autograd.grad((o, ht), leaves, (d_o.to(o.dtype), d_ht), retain_graph=True)
+    grads_o = torch.autograd.grad(o, leaves, d_o.to(o.dtype))
     refs = [t.detach().double().requires_grad_() for t in tensors] + [h0.detach().double().requires_grad_()]
     ref_o, ref_ht = reference.run(rec, *refs[:-1], initial_state=refs[-1], **kwargs)
-    ref_grads = torch.autograd.grad((ref_o, ref_ht), refs, (d_o.double(), d_ht.double()))
+    ref_grads = torch.autograd.grad((ref_o, ref_ht), refs, (d_o.double(), d_ht.double()), retain_graph=True)
+    ref_grads_o = torch.autograd.grad(ref_o, refs, d_o.double())
     names = ["q", "k", "v"] + [i.name for i in rec.inputs] + ["h0"]
     errors = {n: relative_error(a, b) for n, a, b in zip(names, grads, ref_grads)}
+    errors_o = {n: relative_error(a, b) for n, a, b in zip(names, grads_o, ref_grads_o)}
     report(spec=name, kernel=kernel, pass_="backward", case=str(shape), varlen="bounds" in case, **options, **errors)
+    report(spec=name, kernel=kernel, pass_="backward of o alone", case=str(shape), varlen="bounds" in case,
+           **options, **errors_o)
     per_head = {i.name for i in rec.head_inputs}
-    checked = {n: e for n, e in errors.items() if per_head_checked or n not in per_head}
+    per_token = {i.name for i in rec.inputs} - per_head
+    bf16_operands = options.get("precision", "input") != "tf32"
+    unchecked = set() if per_head_checked else per_head
+    checked = {n: e for n, e in errors.items() if n not in unchecked and not (bf16_operands and n in per_token)}
+    checked_o = {n: e for n, e in errors_o.items() if n not in unchecked}
     assert all(e <= LIMIT for e in checked.values()), errors
+    assert all(e <= LIMIT for e in checked_o.values()), {"of o alone": errors_o}
 
 
 @pytest.mark.parametrize("plan", ["fused", "split"])
