@@ -50,6 +50,13 @@ def use_interpreter_without_gpu() -> bool:
     return True
 
 
+def never_interpret() -> None:
+    """Turn Triton's CPU interpreter off for this process (tools that compile for a GPU target or
+    only count launches, never run a kernel: lrdsl.resources, lrdsl.memory). Must run before
+    anything imports triton."""
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
 def fuzz_examples() -> int | None:
     """LRDSL_FUZZ_EXAMPLES as a number of examples, or None (the CI run)."""
     value = os.environ.get("LRDSL_FUZZ_EXAMPLES", "").strip()

@@ -7,8 +7,9 @@ and autograd keeps what the save policy saved, so the bytes the call holds at ea
 what a GPU's allocator holds then. The peak counts what the call allocates (its buffers, o, the
 final state, the gradients), not the inputs and the output's gradient the caller made before it:
 torch.cuda.max_memory_allocated() less memory_allocated() before the call, which is what
-scripts/compare_modules.py reports. For gdn at the three training shapes it gives the 1963 /
-3912 / 2002 MiB measured on the GPU (BENCHMARKS.md rounds 21 and 22).
+scripts/compare_modules.py reports. For gdn at the three training shapes it gave the 1963 /
+3912 / 2002 MiB measured on the GPU before the backward's storage reuse, and with it 1835 MiB at
+4 x 4096, as measured (BENCHMARKS.md rounds 22 and 23).
 
     python -m lrdsl.memory SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16]
                            [--save-policy P] [--chunk-size C] [--no-backward]
@@ -100,9 +101,9 @@ def peak(held: list[HeldAtLaunch]) -> HeldAtLaunch:
 
 
 def main(argv=None) -> int:
-    import os
+    from . import config
 
-    os.environ.pop("TRITON_INTERPRET", None)  # nothing runs: the launches are only counted
+    config.never_interpret()  # nothing runs: the launches are only counted
 
     from . import load
     from .passes.pipeline import run_pipeline

@@ -293,9 +293,9 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
 
 
 def main(argv=None) -> int:
-    import os
+    from . import config
 
-    os.environ.pop("TRITON_INTERPRET", None)  # compile for the target, never interpret
+    config.never_interpret()  # compile for the target
     import torch
 
     from . import load
