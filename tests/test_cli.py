@@ -96,13 +96,17 @@ def test_compile_writes_standalone_module(tmp_path):
     assert f"wrote {out}" in result.stdout
     assert oct(out.stat().st_mode & 0o777) == oct(0o644), "the umask decides the mode, as for any file"
     tree = ast.parse(out.read_text())
-    imported = set()
+    imported, optional = set(), set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and [ast.unparse(h.type) for h in node.handlers] == ["ImportError"]:
+            optional |= {n.module for n in node.body if isinstance(n, ast.ImportFrom)}  # lrdsl's InputError, where installed
+            continue
         if isinstance(node, ast.Import):
             imported |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
+        elif isinstance(node, ast.ImportFrom) and node.module not in optional:
             imported.add(node.module.split(".")[0])
     assert imported == {"torch", "triton"}
+    assert optional == {"lrdsl.errors"}
 
 
 def test_standalone_module_runs_without_lrdsl(tmp_path, generator):
