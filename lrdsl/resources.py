@@ -9,8 +9,9 @@ shared memory per block, and whether it fits (a block gets at most 232,448 bytes
 memory on sm_90). So what only the GPU compiler rejects (a tl.dot dimension under 16, say),
 register pressure and shared-memory overflows show up in CI, not on the GPU.
 
-    python -m lrdsl.resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
-                              [--chunk-size C|default] [--kernels TEXT] [--launch ROLE=BV,WARPS,STAGES[,MAXNREG] ...]
+    lrdsl resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
+                    [--chunk-size C|default] [--kernels TEXT] [--launch ROLE=BV,WARPS,STAGES[,MAXNREG] ...]
+                    (or python -m lrdsl.resources ...)
 
 --launch replaces a kernel role's launch settings (the roles of the module's CHUNK_LAUNCH: system,
 apply, scan, output, bwd_output, ...) after the module's own rules have chosen them; given several
@@ -292,20 +293,9 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     return report
 
 
-def main(argv=None) -> int:
-    from . import config
-
-    config.never_interpret()  # compile for the target
-    import torch
-
-    from . import load
-    from .codegen.launch import CHUNK_LAUNCH
-    from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
-    from .workloads import Shape
-
-    p = argparse.ArgumentParser(prog="python -m lrdsl.resources", description=__doc__.split("\n\n")[0])
-    p.add_argument("specs", nargs="+", metavar="spec")
+def add_arguments(p) -> None:
+    """The options of `lrdsl resources` and `python -m lrdsl.resources`."""
+    p.add_argument("specs", nargs="+", metavar="spec", help="shipped spec names (lrdsl specs lists them) or spec files")
     p.add_argument("--shape", action="append", help="B,T,H,HV,K,V (repeat for several; default 1,256,2,4,128,128)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp64"))
     p.add_argument("--precision", default="input", choices=("input", "tf32"))
@@ -317,29 +307,40 @@ def main(argv=None) -> int:
     p.add_argument("--launch", action="append", metavar="ROLE=BV,WARPS,STAGES[,MAXNREG]",
                    help="launch settings replacing the module's for a kernel role ('ROLE=..;ROLE=..' for several); "
                         "repeat for one report per setting")
-    args = p.parse_args(argv)
+
+
+def run(args) -> int:
+    """Print the report; exit status 1 where a kernel does not fit. Bad input is an LrdslError (one line)."""
+    from . import config
+
+    config.never_interpret()  # compile for the target
+    import torch
+
+    from . import load
+    from .cli import _parse_shape
+    from .codegen.launch import CHUNK_LAUNCH
+    from .errors import LrdslError
+    from .passes.pipeline import run_pipeline
+    from .specs_registry import load_spec_by_name as load_spec
+
     # every setting checked before the first (slow) compile; the roles are every module's
     try:
         launches = [(f"  launch {text}", parse_launch(text, CHUNK_LAUNCH)) for text in args.launch or []]
     except ValueError as error:
-        p.error(str(error))
+        raise LrdslError(str(error)) from None
+    shapes = [_parse_shape(text) for text in args.shape or ["1,256,2,4,128,128"]]
+    if args.chunk_size not in (None, "default") and not args.chunk_size.isdigit():
+        raise LrdslError(f"--chunk-size takes a chunk size or 'default', got {args.chunk_size!r}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
     fits = True
     for spec in args.specs:
         rec = run_pipeline(load_spec(spec), until="recurrence")["recurrence"]
         module = load(spec)
-        for text in args.shape or ["1,256,2,4,128,128"]:
-            shape = Shape(*map(int, text.split(",")))
-            largest = module.largest_chunk_size(shape.K, args.precision, dtype)
-            if args.chunk_size == "default":
-                # the module's own rules (chunk() takes these with no chunk_size; the backward is free
-                # to choose: no chunk_indices here)
-                chunk_size, forward = None, min(module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, args.precision], largest)
-                backward = module._backward_chunk_size(forward, args.precision, True)
-                shown = f"default (forward {forward}, backward and the training forward {backward})"
-            else:
-                chunk_size = int(args.chunk_size) if args.chunk_size else largest
-                shown = chunk_size
+        sizes = getattr(module, "CHUNK_SIZES", ())
+        if args.chunk_size not in (None, "default") and int(args.chunk_size) not in sizes:
+            raise LrdslError(f"--chunk-size: {args.chunk_size} is not one of {rec.name}'s chunk sizes {sizes}")
+        for shape in shapes:
+            chunk_size, shown = _chunk_size_shown(module, shape, args.precision, dtype, args.chunk_size)
             for setting, launch in launches or [("", None)]:
                 print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}  chunk_size={shown}  sm_90{setting}")
                 report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=chunk_size,
@@ -348,6 +349,29 @@ def main(argv=None) -> int:
                     print(row.describe())
                 fits = fits and all(r.fits for r in report)
     return 0 if fits else 1
+
+
+def _chunk_size_shown(module, shape, precision, dtype, asked):
+    """(chunk_size for chunk(), how the header shows it) for --chunk-size `asked`."""
+    if not hasattr(module, "largest_chunk_size"):  # no chunk form: the recurrent and serving kernels only
+        return None, "-"
+    largest = module.largest_chunk_size(shape.K, precision, dtype)
+    if asked == "default":
+        # the module's own rules (chunk() takes these with no chunk_size; the backward is free to
+        # choose: no chunk_indices here)
+        forward = min(module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, precision], largest)
+        backward = module._backward_chunk_size(forward, precision, True)
+        return None, f"default (forward {forward}, backward and the training forward {backward})"
+    chunk_size = int(asked) if asked else largest
+    return chunk_size, chunk_size
+
+
+def main(argv=None) -> int:
+    from .cli import run_tool
+
+    p = argparse.ArgumentParser(prog="python -m lrdsl.resources", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run_tool(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":
