@@ -118,7 +118,7 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True, plans=None
     where = "CPU, Triton interpreter" if interpreted else torch.cuda.get_device_name()
     print(f"{rec.name}: generated kernels vs the float64 oracle ({where}; {shape}; seed {seed})")
     if interpreted:
-        print("note: on the CPU the kernels run in Triton's interpreter: slow (minutes), and any time it shows "
+        print("note: on the CPU the kernels run in Triton's interpreter: slow, and any time it shows "
               "measures the interpreter, not the kernels' speed")
     print(format_header(), flush=True)
     start = time.perf_counter()

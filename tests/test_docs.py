@@ -103,6 +103,23 @@ def check_bench(result, cwd):
     assert_one_line_error(result, "bench needs a CUDA GPU")
 
 
+def check_specs(result, cwd):
+    assert result.returncode == 0, result.stderr
+    from lrdsl.specs_registry import shipped_spec_names
+
+    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == list(shipped_spec_names())
+
+
+def check_memory(result, cwd):
+    """The README's figure is what the tool prints (it said 1963 MiB, from before the backward's
+    storage reuse, while the tool printed 1835)."""
+    assert result.returncode == 0, result.stderr
+    printed = float(re.search(r"^  peak (\d+\.\d) MiB at ", result.stdout, re.M).group(1))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    documented = re.search(r"`lrdsl memory specs/gdn\.toml`.*?a peak of (\d+) MiB", readme).group(1)
+    assert int(documented) == round(printed), (documented, printed)
+
+
 SHELL_EXAMPLES = {
     "lrdsl compile specs/gdn.toml -o gdn_ops.py": check_compile,
     "lrdsl show specs/gdn.toml --stage chunk": check_show_chunk,
@@ -110,6 +127,8 @@ SHELL_EXAMPLES = {
     "lrdsl check specs/gdn.toml --prove": check_prove,
     "lrdsl bench specs/gdn.toml": check_bench,
     "lrdsl bench specs/gdn.toml --backward": check_bench,
+    "lrdsl specs": check_specs,
+    "lrdsl memory specs/gdn.toml": check_memory,
 }
 # run by their own tests below
 LONG_EXAMPLES = ("make demo", "make test", "lrdsl check specs/gdn.toml")

@@ -94,7 +94,9 @@ def test_every_command_prints_what_the_tutorial_shows(workdir):
         args = command.split()[1:]
         result = run(args, cwd=workdir)
         printed = (result.stdout + result.stderr).rstrip("\n").split("\n") if (result.stdout + result.stderr) else []
-        varies = args[0] == "compile" or (args[0] == "check" and "--prove" not in args)
+        # a check's errors, seed and times vary from run to run; everything else, the compiled
+        # module's line count included, is what the tutorial shows
+        varies = args[0] == "check" and "--prove" not in args
         if args[0] == "check" and varies and HAS_GPU:
             continue  # on a GPU the check adds bf16 rows and times: the tutorial shows a CPU run
         assert result.returncode == (2 if "bad.toml" in args else 0), f"{command}: {result.stderr}"
