@@ -45,6 +45,7 @@ class KernelResources:
     shared: int
     num_warps: int
     maxnreg: int | None = None  # the launch's register cap per thread, where it sets one
+    calls: str = ""  # which calls launch it: "chunk[split]", "chunk[split,fused]", "recurrent", ...
 
     @property
     def fits(self) -> bool:
@@ -64,12 +65,19 @@ class KernelResources:
         columns). Such a launch setting costs far more than its spills elsewhere would."""
         return self.spill_bytes > 0 and 2 * self.registers < self.register_cap
 
-    def describe(self) -> str:
-        verdict = "ok" if self.fits else f"OVER the {SM90_SHARED_LIMIT} B shared-memory limit"
+    @property
+    def verdict(self) -> str:
+        """"ok", or each problem: over the shared memory a block may have, starved of registers."""
+        problems = []
+        if not self.fits:
+            problems.append(f"OVER the {SM90_SHARED_LIMIT} B shared-memory limit")
         if self.starved:
-            verdict += f"  STARVED: {self.registers} of {self.register_cap} registers, spilling"
-        return (f"{self.kernel:<34} {self.launch:<32} regs {self.registers:>3}  spills {self.spill_bytes:>6} B"
-                f"  shared {self.shared:>7} B  {verdict}")
+            problems.append(f"STARVED: {self.registers} of {self.register_cap} registers, spilling")
+        return "  ".join(problems) or "ok"
+
+    def describe(self) -> str:
+        return (f"{self.kernel:<34} {self.calls:<19} {self.launch:<38} regs {self.registers:>3}  "
+                f"spills {self.spill_bytes:>6} B  shared {self.shared:>7} B  {self.verdict}")
 
 
 def _signature_type(value) -> str:
@@ -166,7 +174,10 @@ def _compile(fn, args, kwargs, arch: int):
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     launch = {key: kwargs[key] for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
-    shown = {k: v for k, v in bound.items() if k == "BV" or (k in SERVING_FLAGS and v)}
+    # the chunk size (one kernel may run at two: a training forward at the backward's), the value
+    # block, and the serving variants that are on
+    shown = {k: bound[k] for k in ("BV", "BT") if k in bound}
+    shown.update({k: v for k, v in bound.items() if k in SERVING_FLAGS and v})
     if bound.get("CC_BT", bound.get("BT")) != bound.get("BT"):  # the forward's solved systems, read by blocks
         shown["CC_BT"] = bound["CC_BT"]
     return compiled, launch, shown
@@ -261,6 +272,7 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     tensors = [t.to("meta") for t in tensors]
     h0 = torch.empty(shape.B, shape.HV, shape.K, shape.V, device="meta")
     options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    calls = []  # (launches recorded so far, the call that made them)
     with _LaunchRecorder(module) as recorder, _LaunchOverride(module, launch):
         for plan in getattr(module, "CHUNK_PLANS", ()):
             leaves = [t.detach().requires_grad_() for t in (*tensors, h0)]
@@ -269,7 +281,9 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
             (o.sum() + ht.sum()).backward()
             # without gradients too: a training call may run its forward at another chunk size
             module.chunk(*tensors, initial_state=h0, plan=plan, precision=precision, chunk_size=chunk_size, **options)
+            calls.append((len(recorder.launches), f"chunk[{plan}]"))
         module.recurrent(*tensors, initial_state=h0, **options)
+        calls.append((len(recorder.launches), "recurrent"))
         plain = [t.detach() for t in tensors]
         rows = (shape.B, shape.HV, shape.K, shape.V)
         indices = torch.empty(shape.B, dtype=torch.int32, device="meta")
@@ -279,18 +293,34 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
         _, draft = module.verify(*plain, use_qk_l2norm_in_kernel=True, state_pool=torch.empty(rows, device="meta"),
                                  state_indices=indices, validate=False)
         module.commit(draft, indices, validate=False)
-    seen, report = set(), []
-    for fn, args, kwargs in recorder.launches:
+        calls.append((len(recorder.launches), "serving"))
+    # each distinct compilation once, with every call that launches it
+    launches: dict[tuple, tuple] = {}
+    callers: dict[tuple, list[str]] = {}
+    for index, (fn, args, kwargs) in enumerate(recorder.launches):
         key = (fn.__name__, repr(args), repr(sorted(kwargs.items())))  # meta tensors print as shape and dtype
-        if only not in fn.__name__ or key in seen:
+        if only not in fn.__name__:
             continue
-        seen.add(key)
+        launches.setdefault(key, (fn, args, kwargs))
+        call = next(name for end, name in calls if index < end)
+        if call not in callers.setdefault(key, []):
+            callers[key].append(call)
+    report = []
+    for key, (fn, args, kwargs) in launches.items():
         compiled, launch_options, extra = _compile(fn, args, dict(kwargs), arch)
         launch = " ".join(f"{k}={v}" for k, v in {**launch_options, **extra}.items())
         registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
         report.append(KernelResources(fn.__name__, launch, registers, spills, compiled.metadata.shared,
-                                      launch_options.get("num_warps", 4), launch_options.get("maxnreg")))
+                                      launch_options.get("num_warps", 4), launch_options.get("maxnreg"),
+                                      _calls_shown(callers[key])))
     return report
+
+
+def _calls_shown(calls: list[str]) -> str:
+    """["chunk[split]", "chunk[fused]"] -> "chunk[split,fused]"."""
+    plans = [c[len("chunk["):-1] for c in calls if c.startswith("chunk[")]
+    others = [c for c in calls if not c.startswith("chunk[")]
+    return " ".join(([f"chunk[{','.join(plans)}]"] if plans else []) + others)
 
 
 def add_arguments(p) -> None:
