@@ -539,3 +539,19 @@ def test_memory_subcommand_prints_the_peak():
     result = run(["memory", "gdn", "--shape", "1,64,1,2,16,16", "--no-backward"])
     assert result.returncode == 0, result.stderr
     assert re.search(r"^  peak \d+\.\d MiB at ", result.stdout, re.M), result.stdout
+
+
+@pytest.mark.skipif(HAS_GPU, reason="with a GPU there is no interpreter to turn on")
+def test_import_lrdsl_turns_the_interpreter_on_or_says_why_it_cannot():
+    """Without a GPU, `import lrdsl` sets TRITON_INTERPRET=1 (before: only the CLI and the examples
+    did, so the README's Python failed on a CPU); where triton was imported first it is too late,
+    and one warning line says so and what to do."""
+    script = "import os, lrdsl; print(os.environ.get('TRITON_INTERPRET'))"
+    first = subprocess.run([sys.executable, "-c", script], env=user_environment(), capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0 and first.stdout.strip() == "1" and first.stderr == "", first.stderr
+    late = subprocess.run([sys.executable, "-c", "import triton; " + script], env=user_environment(), capture_output=True,
+                          text=True, timeout=600)
+    assert late.returncode == 0 and late.stdout.strip() == "None", late.stdout + late.stderr
+    (line,) = late.stderr.strip().splitlines()
+    assert "InterpreterWarning: no GPU, and triton was imported before lrdsl" in line and "import lrdsl first" in line
