@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,6 +46,9 @@ class FakeFla:
                                    allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
                                    cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, **kwargs):
             record("chunk_gated_delta_rule", locals())
+            # fla-core 0.6.0 reads the in-kernel gate's keywords out of **kwargs
+            g, beta = _in_kernel_gate(g, beta, kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"),
+                                      kwargs.get("dt_bias"), use_beta_sigmoid_in_kernel)
             return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
         def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
@@ -55,6 +59,7 @@ class FakeFla:
             record("fused_recurrent_gated_delta_rule", locals())
             if gk is not None or gv is not None:
                 raise ValueError("this fake has no key- or value-channel gates (gk, gv)")
+            g, beta = _in_kernel_gate(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
             return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
         def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
@@ -138,6 +143,15 @@ class FakeFla:
         return self.modules[name]
 
 
+def _in_kernel_gate(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+    """FLA's in-kernel forms (its docstring): g = -exp(A_log) softplus(g + dt_bias), beta = sigmoid(beta)."""
+    if use_gate_in_kernel:
+        g = -A_log.double().exp() * torch.nn.functional.softplus(g.double() + dt_bias.double())
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.double().sigmoid()
+    return g, beta
+
+
 def _as_fla(rec, q, k, v, extras, scale, initial_state, output_final_state, l2norm):
     """What an FLA function returns: o in v's dtype, an fp32 final state (or None)."""
     o, final_state = reference.run(rec, q, k, v, *extras, scale=scale, initial_state=initial_state,
@@ -159,7 +173,21 @@ def tiny_call(rec, shape, generator, l2norm=True, dtype=torch.float32):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "kda", "gla", "rwkv7"])
+# Each spec input's FLA parameter (fused_recurrent_gla names its key-channel gate gk; RWKV-7's
+# functions take w, and a, b for the low rank; gdn_qwen35's raw projections go to g and beta with
+# the in-kernel gate and beta switched on)
+EXPECTED_PARAMETERS = {
+    "gdn": {"g": "g", "beta": "beta"},
+    "gdn_qwen35": {"a": "g", "b": "beta", "A_log": "A_log", "dt_bias": "dt_bias"},
+    "deltanet": {"beta": "beta"},
+    "simple_gla": {"g": "g"},
+    "kda": {"g": "g", "beta": "beta"},
+    "gla": {"g": "g"},
+    "rwkv7": {"w": "w", "a": "a", "b": "b"},
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))
 @pytest.mark.parametrize("decode", [False, True], ids=["chunk", "recurrent"])
 def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decode, fake_fla, generator):
     rec = recurrence(name)
@@ -179,18 +207,21 @@ def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decod
     q, k, v, *extras = call.tensors
     query = "r" if name == "rwkv7" else "q"  # RWKV-7's functions call q r
     assert arguments[query] is q and arguments["k"] is k and arguments["v"] is v
-    by_role = {bench.input_role(rec, i.name): x for i, x in zip(rec.inputs, extras)}
-    # fused_recurrent_gla names its key-channel gate gk; RWKV-7's are w, and a, b for its low rank
-    expected_parameter = {"gate": "gk" if called == "fused_recurrent_gla" else "w" if name == "rwkv7" else "g",
-                          "beta": "beta", "read": "a", "write": "b"}
-    for role, tensor in by_role.items():
-        assert arguments[expected_parameter[role]] is tensor, f"{role} not passed as {expected_parameter[role]}"
+    expected = dict(EXPECTED_PARAMETERS[name])
+    if called == "fused_recurrent_gla":
+        expected["g"] = "gk"
+    passed = {**arguments, **arguments.get("kwargs", {})}
+    for inp, tensor in zip(rec.inputs, extras):
+        assert passed[expected[inp.name]] is tensor, f"{inp.name} not passed as {expected[inp.name]}"
     if "gk" in arguments and called != "fused_recurrent_gla":  # beta must not land in gk (5th parameter)
         assert arguments["gk"] is None and arguments["gv"] is None
     assert arguments["initial_state"] is call.initial_state and arguments["output_final_state"] is True
     assert arguments["scale"] == call.scale
     assert arguments["use_qk_l2norm_in_kernel"] is l2norm if "use_qk_l2norm_in_kernel" in arguments else not l2norm
-    assert arguments.get("kwargs", {}) == {}  # nothing fell into **kwargs
+    in_kernel = name == "gdn_qwen35"
+    assert passed.get("use_gate_in_kernel", False) is in_kernel and passed.get("use_beta_sigmoid_in_kernel", False) is in_kernel
+    # nothing fell into **kwargs but what fla-core 0.6.0's chunk_gated_delta_rule reads from there
+    assert set(arguments.get("kwargs", {})) == ({"use_gate_in_kernel", "A_log", "dt_bias"} if in_kernel and not decode else set())
 
     ref_o, ref_state = reference.run(rec, *call.tensors, scale=call.scale, initial_state=call.initial_state,
                                      output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
@@ -214,16 +245,38 @@ def test_an_fla_function_without_a_needed_parameter_is_a_failed_row_not_a_silent
     oracle = bench.oracle_outputs(rec, call, ["q", "k", "v", "g", "beta"], gradients=False)
     rows = bench.run_group("gdn", rec, [contender], call, shape, bench.FORWARD, oracle, bench.measure_once,
                            (1, 6), 2e-3)
-    assert [(r.status, r.reason, r.ms, r.ratio) for r in rows] == [("FAILED", contender.problem, None, None)]
+    assert [(r.status, r.reason, r.ms, r.ratios) for r in rows] == [("FAILED", contender.problem, None, {})]
 
 
 def test_specs_without_an_fla_counterpart_are_recognised():
-    assert bench.fla_baseline(recurrence("gdn_qwen35")) is None  # its inputs pass through formulas
     assert bench.fla_baseline(recurrence("linear_attn")) is None
     assert bench.fla_baseline(recurrence("kda_neg_eigval")) is None  # beta = 2 sigmoid(b): FLA takes beta
     assert bench.fla_baseline(recurrence("kda_fused_gate")) is None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), FakeFla().importer) is not None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), _no_fla) is None
+
+
+def test_gdn_qwen35_is_fla_gated_delta_rule_with_its_gate_and_beta_in_kernel():
+    """gdn_qwen35's formulas are FLA's in-kernel ones with its inputs renamed (a -> g, b -> beta,
+    the per-head A_log and dt_bias to theirs); a spec whose formulas differ is not matched, and
+    one that swaps A_log and dt_bias in its formula is matched with them swapped (by position in
+    the formula, never by name)."""
+    import sympy
+
+    rec = recurrence("gdn_qwen35")
+    baseline = bench.fla_baseline(rec)
+    assert (baseline.chunk.name, baseline.recurrent.name) == ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+    assert bench.input_parameters(rec, baseline.chunk) == EXPECTED_PARAMETERS["gdn_qwen35"]
+    assert baseline.chunk.options == {"use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    assert baseline.direct == ()  # FlashQLA takes the decay and beta themselves
+    a, b, A_log, dt_bias = sympy.symbols("a b A_log dt_bias")
+    from lrdsl.ir.formula import sigmoid, softplus
+
+    swapped = replace(rec, log_decay=-sympy.exp(dt_bias) * softplus(a + A_log))
+    assert bench.input_parameters(swapped, baseline.chunk) == {"a": "g", "b": "beta", "A_log": "dt_bias", "dt_bias": "A_log"}
+    for other in (replace(rec, beta=2 * sigmoid(b)), replace(rec, log_decay=-sympy.exp(A_log) * softplus(a)),
+                  replace(rec, log_decay=-sympy.exp(A_log) * softplus(a + dt_bias) * 0.5)):
+        assert bench.fla_baseline(other) is None, other
 
 
 def _no_fla(name):
@@ -310,7 +363,7 @@ def test_gate_fails_a_wrong_or_non_finite_row_and_gives_it_no_ratio(mode, genera
     rec = recurrence("gdn")
     shape = Shape(2, 9, 1, 2, 8, 8)
     call = tiny_call(rec, shape, generator)
-    fla = _oracle_contender(rec, bench.FLA, "fla_like", lambda o, s: (o, s))
+    fla = _oracle_contender(rec, bench.FLA_TRITON, "fla_like", lambda o, s: (o, s))
     right = _oracle_contender(rec, bench.LRDSL, "right", lambda o, s: (o, s))
     wrong = _oracle_contender(rec, bench.LRDSL, "off by 1%", lambda o, s: (o * 1.01, s))
     nan = _oracle_contender(rec, bench.LRDSL, "nan", lambda o, s: (o, s * float("nan")))
@@ -318,12 +371,12 @@ def test_gate_fails_a_wrong_or_non_finite_row_and_gives_it_no_ratio(mode, genera
     rows = {r.kernel: r for r in _group(rec, [fla, right, wrong, nan], call, shape, mode, (2, 9))}
 
     assert rows["fla_like"].ok and rows["right"].ok, rows
-    assert rows["right"].ratio == pytest.approx(rows["fla_like"].ms / rows["right"].ms)
+    assert rows["right"].ratios == {"fla-triton": pytest.approx(rows["fla_like"].ms / rows["right"].ms)}
     assert rows["right"].err_vs_oracle <= 2e-3 and rows["right"].diff_vs_other <= 2e-3
-    assert not rows["off by 1%"].ok and rows["off by 1%"].ratio is None
+    assert not rows["off by 1%"].ok and rows["off by 1%"].ratios == {}
     assert "differs from the float64 oracle by 1.0e-02" in rows["off by 1%"].reason
     assert rows["off by 1%"].diff_vs_other == pytest.approx(1e-2, rel=1e-3)
-    assert not rows["nan"].ok and rows["nan"].ratio is None
+    assert not rows["nan"].ok and rows["nan"].ratios == {}
     assert "final state not finite" in rows["nan"].reason
 
 
@@ -341,7 +394,7 @@ def test_gate_cross_checks_the_full_shape_where_the_oracle_sees_a_prefix(generat
         o[:, 8:] *= 1.1
         return o, final_state * 1.1
 
-    fla = _oracle_contender(rec, bench.FLA, "fla_like", lambda o, s: (o, s))
+    fla = _oracle_contender(rec, bench.FLA_TRITON, "fla_like", lambda o, s: (o, s))
     ours = _oracle_contender(rec, bench.LRDSL, "wrong after the prefix", wrong_after_prefix)
 
     rows = _group(rec, [fla, ours], call, shape, bench.FORWARD, (1, 8))
@@ -349,8 +402,8 @@ def test_gate_cross_checks_the_full_shape_where_the_oracle_sees_a_prefix(generat
     assert all(r.err_vs_oracle <= 2e-3 for r in rows)  # the prefix re-run and the full run's o prefix pass
     assert [r.status for r in rows] == ["FAILED", "FAILED"]
     assert "differs from lrdsl wrong after the prefix" in rows[0].reason
-    assert "differs from fla-core fla_like" in rows[1].reason
-    assert rows[1].ratio is None
+    assert "differs from fla-triton fla_like" in rows[1].reason
+    assert rows[1].ratios == {}
 
 
 def test_an_implementation_that_raises_is_a_failed_row(generator):
@@ -378,11 +431,12 @@ def test_without_fla_the_rows_are_lrdsl_only_gated_by_the_oracle_and_without_rat
     stand_in = types.SimpleNamespace(chunk=oracle_kernel, recurrent=oracle_kernel, DEFAULT_CHUNK_PLAN="split")
     rows = bench.bench([bench.SpecUnderTest("simple_gla", rec, stand_in)], [Shape(1, 7, 1, 2, 8, 8), Shape(3, 1, 1, 2, 8, 8)],
                        backward=True, device="cpu", dtype=torch.float32, seed=int(torch.seed() % 2**31), importer=_no_fla)
-    assert [(r.mode, r.impl, r.kernel, r.status, r.ratio) for r in rows] == [
-        ("fwd", "lrdsl", "chunk[split]", "ok", None), ("fwd+bwd", "lrdsl", "chunk[split]", "ok", None),
-        ("decode", "lrdsl", "recurrent", "ok", None)]
+    assert [(r.mode, r.impl, r.kernel, r.status, r.ratios) for r in rows] == [
+        ("fwd", "lrdsl", "chunk[split]", "ok", {}), ("fwd+bwd", "lrdsl", "chunk[split]", "ok", {}),
+        ("decode", "lrdsl", "recurrent", "ok", {})]
     assert all(r.err_vs_oracle <= 2e-3 and r.diff_vs_other is None for r in rows)
-    assert bench.ratio_summary(rows)[("simple_gla", "1x7x1x2x8x8")] == {"fwd": "no FLA", "fwd+bwd": "no FLA"}
+    assert bench.ratio_summary(rows)[("simple_gla", "1x7x1x2x8x8")] == {"fwd": {}, "fwd+bwd": {}}
+    assert "(no peer)" in bench.format_summary(rows)
 
 
 def test_chunk_sizes_give_one_gated_row_each_and_reach_the_kernel():
@@ -431,7 +485,7 @@ def test_serving_rows_are_gated_on_the_oracle_and_compared_with_the_pool_decode(
     for r in serving:
         assert r.ok, r
         assert r.err_vs_oracle <= (8e-3 if r.mode == "pool bf16" else 2e-3), r
-        assert r.state_tbps > 0 and r.vs_pool > 0 and r.ratio is None
+        assert r.state_tbps > 0 and r.vs_pool > 0 and r.ratios == {}
     assert serving[0].vs_pool == 1.0
     assert "pool" not in bench.format_summary(rows) and bench.format_row(serving[3]).split()[-2] == f"{serving[3].vs_pool:.2f}"
     assert bench.serving_state_bytes(TINY_DECODE, "verify+commit") == 3 * 2 * 2 * 16 * 16 * 4
@@ -464,20 +518,20 @@ def test_harness_times_every_mode_and_gates_every_row_on_cpu(gdn_rows):
     rows, fake = gdn_rows
     table = [(r.mode, r.shape, r.impl, r.kernel, r.path) for r in rows]
     assert table == [
-        ("fwd", "2x20x1x2x16x16", "fla-core", "chunk_gated_delta_rule", "fla-triton"),
+        ("fwd", "2x20x1x2x16x16", "fla-triton", "chunk_gated_delta_rule", "fla-triton"),
         ("fwd", "2x20x1x2x16x16", "lrdsl", "chunk[split]", "lrdsl"),
-        ("fwd+bwd", "2x20x1x2x16x16", "fla-core", "chunk_gated_delta_rule", "fla-triton"),
+        ("fwd+bwd", "2x20x1x2x16x16", "fla-triton", "chunk_gated_delta_rule", "fla-triton"),
         ("fwd+bwd", "2x20x1x2x16x16", "lrdsl", "chunk[split]", "lrdsl"),
-        ("decode", "2x1x1x2x16x16", "fla-core", "fused_recurrent_gated_delta_rule", "fla-triton"),
+        ("decode", "2x1x1x2x16x16", "fla-triton", "fused_recurrent_gated_delta_rule", "fla-triton"),
         ("decode", "2x1x1x2x16x16", "lrdsl", "recurrent", "lrdsl"),
     ]
     for r in rows:
         assert r.ok, r
         assert r.err_vs_oracle <= 2e-3 and r.diff_vs_other <= 2e-3, r
-        assert (r.ratio is not None) == (r.impl == "lrdsl")
+        assert bool(r.ratios) == (r.impl == "lrdsl")
     by_group = {(r.mode, r.impl): r for r in rows}
     for mode in ("fwd", "fwd+bwd", "decode"):
-        assert by_group[(mode, "lrdsl")].ratio == pytest.approx(by_group[(mode, "fla-core")].ms / by_group[(mode, "lrdsl")].ms)
+        assert by_group[(mode, "lrdsl")].ratios == {"fla-triton": pytest.approx(by_group[(mode, "fla-triton")].ms / by_group[(mode, "lrdsl")].ms)}
     assert by_group[("fwd+bwd", "lrdsl")].worst_vs_oracle  # gradients were checked: a name is recorded
     assert by_group[("decode", "lrdsl")].state_tbps > 0 and by_group[("decode", "lrdsl")].tflops is None
     # each FLA function was called by keyword only: full run and the oracle prefix's re-run
@@ -488,14 +542,14 @@ def test_harness_times_every_mode_and_gates_every_row_on_cpu(gdn_rows):
 def test_summary_json_and_table_carry_status_ratio_and_path(gdn_rows, tmp_path):
     rows, _ = gdn_rows
     records = json.loads(bench.to_json(rows))
-    assert [(x["status"], x["path"], x["ratio"] is not None) for x in records] == [
+    assert [(x["status"], x["path"], bool(x["ratios"])) for x in records] == [
         ("ok", r.path, r.impl == "lrdsl") for r in rows]
     summary = bench.ratio_summary(rows)
     assert set(summary) == {("gdn", "2x20x1x2x16x16"), ("gdn", "2x1x1x2x16x16")}
     assert summary[("gdn", "2x20x1x2x16x16")] == {
-        "fwd": rows[1].ratio, "fwd+bwd": rows[3].ratio}
+        "fwd": {"fla-triton": rows[1].ratios["fla-triton"]}, "fwd+bwd": {"fla-triton": rows[3].ratios["fla-triton"]}}
     text = bench.format_summary(rows)
-    assert "FLA / lrdsl" in text and f"{rows[1].ratio:.2f}" in text
+    assert "peer ms / lrdsl ms" in text and "fwd fla-triton" in text and f"{rows[1].ratios['fla-triton']:.2f}" in text
     assert bench.format_row(rows[5]).split()[6:8] == [f"{rows[5].ms * 1e3:.1f}", "us"]
 
 
@@ -574,8 +628,8 @@ def test_bench_command_errors_are_one_line_before_any_gpu_work(tmp_path, capsys)
 def test_all_picks_every_spec_with_an_fla_counterpart(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     args = cli.build_parser().parse_args(["bench", "--all"])
-    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/gla.toml", "specs/kda.toml",
-                                           "specs/rwkv7.toml", "specs/simple_gla.toml"]
+    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/gdn_qwen35.toml", "specs/gla.toml",
+                                           "specs/kda.toml", "specs/rwkv7.toml", "specs/simple_gla.toml"]
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LrdslError, match="no spec in ./specs has an FLA counterpart"):
         cli._bench_spec_paths(args)
@@ -604,7 +658,7 @@ def test_harness_on_gpu_times_decode_as_a_graph_replay_and_gates_every_row():
     for r in rows:
         print(bench.format_row(r))
     modes = [(r.mode, r.impl) for r in rows]
-    assert modes == [(m, impl) for m in ("fwd", "fwd+bwd", "decode", "decode graph") for impl in ("fla-core", "lrdsl")]
+    assert modes == [(m, impl) for m in ("fwd", "fwd+bwd", "decode", "decode graph") for impl in ("fla-triton", "lrdsl")]
     for r in rows:
         if r.mode == "decode graph" and not r.ok:  # what the graph row says when capture fails
             assert r.reason.startswith("NotCapturable: not capturable in a CUDA graph"), r
@@ -613,8 +667,8 @@ def test_harness_on_gpu_times_decode_as_a_graph_replay_and_gates_every_row():
         assert r.ms > 0 and r.err_vs_oracle <= 8e-3
         assert r.diff_vs_other <= 8e-3 if r.diff_vs_other is not None else r.mode == "decode graph"  # FLA's capture failed
     for ours in (r for r in rows if r.impl == "lrdsl"):
-        theirs = next(r for r in rows if r.impl == "fla-core" and r.mode == ours.mode)
-        assert (ours.ratio is not None) == (ours.ok and theirs.ok)
+        theirs = next(r for r in rows if r.impl == "fla-triton" and r.mode == ours.mode)
+        assert bool(ours.ratios) == (ours.ok and theirs.ok)
     assert all(r.peak_mib > 0 for r in rows if r.mode != "decode graph")
 
 
