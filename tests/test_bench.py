@@ -6,8 +6,10 @@ compute what the real ones compute (through the float64 oracle) and record how t
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import os
 import types
 from dataclasses import replace
 
@@ -289,25 +291,37 @@ def _no_fla(name):
 
 
 class _Backend:
-    def __init__(self, backend_type, priority, accepts, available=True):
+    """A backend as fla-core 0.6.0's dispatcher sees one; its switches are read at every call
+    (BaseBackend.is_enabled: FLA_<BACKEND_TYPE> switches it on whatever env_var says)."""
+
+    def __init__(self, backend_type, priority, accepts, available=True, env_var=None, implementation=None):
+        """accepts: True, False, or a function of the call's keywords (its verifier)."""
         self.backend_type, self.priority, self.accepts, self.available = backend_type, priority, accepts, available
+        self.env_var, self.implementation = env_var, implementation
         self.verified_with = None
 
     def is_available(self):
         return self.available
 
     def is_enabled(self):
-        return True
+        if self.env_var is None:
+            return True
+        if os.environ.get(f"FLA_{self.backend_type.upper()}", "0") != "0":
+            return True
+        return os.environ.get(self.env_var, "1") != "0"
 
     def get_implementation(self, function_name):
         return getattr(self, function_name, None)
 
     def verify(self, function_name, **keywords):
         self.verified_with = keywords
-        return self.accepts, None if self.accepts else "refused"
+        accepted = self.accepts(**keywords) if callable(self.accepts) else self.accepts
+        return accepted, None if accepted else "refused"
 
     def chunk_gated_delta_rule(self, **keywords):
-        raise AssertionError("the path is found without running anything")
+        if self.implementation is None:
+            raise AssertionError("the path is found without running anything")
+        return self.implementation(**keywords)
 
 
 def _fake_backends(*backends):
@@ -334,6 +348,187 @@ def test_dispatch_path_asks_fla_registry_as_its_dispatcher_does(accepts, availab
     assert bench.fla_dispatch_path(fla_chunk, keywords, importer) == expected
     if available:
         assert flash_qla.verified_with["beta"] is keywords["beta"]  # the verifier saw the real call's arguments
+
+
+def _registries(importer_modules, *backends):
+    """A fake fla.backends holding `backends` for the gated_delta_rule operation."""
+    backends_module, registry, other = _fake_backends(*backends)
+    backends_module._DISPATCH_DISABLED = False
+    backends_module._function_registries = {}
+    backends_module._operation_registries = {"gated_delta_rule": registry, "delta_rule": other}
+    return {**importer_modules, "fla.backends": backends_module}
+
+
+def test_triton_switches_turn_off_each_backend_fla_would_pick_and_restore_the_environment(fake_fla, generator,
+                                                                                        monkeypatch):
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    monkeypatch.setenv("FLA_OTHER", "1")  # FLA_<TYPE> = 1 switches a backend on over its own variable
+    rec = recurrence("gdn")
+    baseline = bench.fla_baseline(rec)
+    fla_chunk, _ = bench.resolve_fla(baseline, fake_fla.importer)
+    flash_qla = _Backend("flash_qla", 3, True, env_var="FLA_FLASH_QLA")
+    other = _Backend("other", 4, True, env_var="OTHER_SWITCH")
+    importer = _registries(fake_fla.modules, flash_qla, other).__getitem__
+    keywords = bench.fla_keywords(rec, baseline.chunk, tiny_call(rec, TINY_TRAINING, generator))
+
+    switches = bench.triton_switches(fla_chunk, keywords, importer)
+
+    assert switches == {"FLA_FLASH_QLA": "0", "OTHER_SWITCH": "0", "FLA_OTHER": "0"}
+    assert bench.fla_dispatch_path(fla_chunk, keywords, importer) == "flashqla"
+    with bench.environment(switches):
+        assert bench.fla_dispatch_path(fla_chunk, keywords, importer) == "fla-triton"
+    assert "FLA_FLASH_QLA" not in os.environ and os.environ["FLA_OTHER"] == "1" and "OTHER_SWITCH" not in os.environ
+    stuck = _Backend("ascend", 0, True)  # no environment variable switches it off
+    with pytest.raises(LrdslError, match="picks its ascend backend for chunk_gated_delta_rule, which no environment"):
+        bench.triton_switches(fla_chunk, keywords, _registries(fake_fla.modules, stuck).__getitem__)
+
+
+class FakeFlashQla:
+    """A module flash_qla with FlashQLA 0.1.3's chunk_gated_delta_rule signature, computing
+    through the oracle; `calls` records each call's keywords."""
+
+    def __init__(self):
+        self.calls = []
+        self.through_fla = 0  # calls FLA's backend made
+        gdn = recurrence("gdn")
+
+        def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False,
+                                   state_v_first=False, auto_cp=True, enable_fwd_cp_cache=True, cp_context=None,
+                                   force_intra_cp=False):
+            self.calls.append(dict(locals()))
+            return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        self.module = types.ModuleType("flash_qla")
+        self.module.chunk_gated_delta_rule = chunk_gated_delta_rule
+
+
+def _dispatching_fla(fake_fla, flash_qla):
+    """fake_fla whose chunk_gated_delta_rule dispatches as fla-core 0.6.0's does: to a FlashQLA
+    backend (switched off by FLA_FLASH_QLA=0) that calls flash_qla as FLA's backend does, else to
+    its own kernels. Returns (importer, runs: which of the two each call ran)."""
+    runs = []
+    triton_kernels = fake_fla.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule
+
+    def through_flash_qla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, **kwargs):
+        flash_qla.through_fla += 1
+        return flash_qla.module.chunk_gated_delta_rule(
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, auto_cp=True)
+
+    def verifier(q, use_beta_sigmoid_in_kernel=False, **keywords):  # what FlashQLABackend's refuses, in short
+        return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
+                and not keywords.get("use_gate_in_kernel") and not use_beta_sigmoid_in_kernel)
+
+    backend = _Backend("flash_qla", 3, verifier, env_var="FLA_FLASH_QLA", implementation=through_flash_qla)
+
+    @functools.wraps(triton_kernels)
+    def chunk_gated_delta_rule(**keywords):
+        if backend.is_available() and backend.is_enabled() and backend.verify("chunk_gated_delta_rule", **keywords)[0]:
+            runs.append("flashqla")
+            return backend.chunk_gated_delta_rule(**keywords)
+        runs.append("fla-triton")
+        return triton_kernels(**keywords)
+
+    package = types.ModuleType("fla.ops.gated_delta_rule")
+    package.chunk_gated_delta_rule = chunk_gated_delta_rule
+    package.fused_recurrent_gated_delta_rule = fake_fla.modules["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule
+    modules = _registries({**fake_fla.modules, "fla.ops.gated_delta_rule": package, "flash_qla": flash_qla.module}, backend)
+
+    def importer(name):
+        if name not in modules:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return modules[name]
+
+    return importer, runs
+
+
+def _oracle_module(rec):
+    """A stand-in for a generated module: chunk and recurrent computed by the oracle."""
+
+    def oracle_kernel(q, k, v, *extras, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, plan=None, chunk_size=None):
+        o, final_state = reference.run(rec, q, k, v, *extras, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o.to(v.dtype), final_state.float()
+
+    return types.SimpleNamespace(chunk=oracle_kernel, recurrent=oracle_kernel, DEFAULT_CHUNK_PLAN="split")
+
+
+PEER_SHAPE = Shape(1, 12, 1, 2, 128, 128)  # FlashQLA's head dims
+
+
+def test_each_peer_is_a_column_of_its_own_gated_and_given_a_ratio(monkeypatch):
+    """gdn where FLA dispatches to FlashQLA: FLA's Triton kernels (FlashQLA switched off around
+    every call of that column, its backward and the oracle prefix's re-run included), FLA's
+    dispatch (FlashQLA), FlashQLA called directly with its own keywords, then lrdsl with a ratio
+    to each."""
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    fake, flash_qla = FakeFla(), FakeFlashQla()
+    importer, runs = _dispatching_fla(fake, flash_qla)
+    rec = recurrence("gdn")
+    seed = int(torch.seed() % 2**31)
+    print(f"[seed {seed}]")
+    rows = bench.bench([bench.SpecUnderTest("gdn", rec, _oracle_module(rec))], [PEER_SHAPE], backward=True, device="cpu",
+                       dtype=torch.bfloat16, seed=seed, importer=importer, oracle_tokens=8)
+
+    columns = [("fla-triton", "chunk_gated_delta_rule", "fla-triton"), ("flashqla", "chunk_gated_delta_rule", "flashqla"),
+               ("flashqla-direct", "flash_qla.chunk_gated_delta_rule", "flashqla"), ("lrdsl", "chunk[split]", "lrdsl")]
+    assert [(r.mode, r.impl, r.kernel, r.path) for r in rows] == [(m, *c) for m in ("fwd", "fwd+bwd") for c in columns]
+    for r in rows:
+        assert r.ok and r.err_vs_oracle <= 8e-3 and r.diff_vs_other <= 8e-3, r
+    for ours in (r for r in rows if r.impl == "lrdsl"):
+        peers = [r for r in rows if r.mode == ours.mode and r.impl != "lrdsl"]
+        assert ours.ratios == {p.impl: pytest.approx(p.ms / ours.ms) for p in peers}
+        assert all(not p.ratios for p in peers)
+    # per mode: the Triton column's timed call and prefix re-run, then the flashqla column's
+    assert runs == ["fla-triton", "fla-triton", "flashqla", "flashqla"] * 2
+    assert "FLA_FLASH_QLA" not in os.environ
+    # FlashQLA ran 8 times: 4 through FLA's backend, 4 called directly, each with these options
+    assert len(flash_qla.calls) == 8 and flash_qla.through_fla == 4
+    options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, auto_cp=True)
+    assert all(all(c[k] == v for k, v in options.items()) for c in flash_qla.calls)
+    summary = bench.ratio_summary(rows)[("gdn", "1x12x1x2")]
+    assert set(summary["fwd"]) == {"fla-triton", "flashqla", "flashqla-direct"}
+    text = bench.format_summary(rows)
+    assert "fwd+bwd flashqla-direct" in text and f"{rows[3].ratios['flashqla']:.2f}" in text
+    assert "fla-triton " in bench.format_row(rows[3]) and "flashqla-direct " in bench.format_row(rows[3])
+
+
+def test_flashqla_columns_only_where_they_apply(monkeypatch):
+    """No FlashQLA column at K != 128, in fp32, at decode shapes, for gdn_qwen35 (FlashQLA takes
+    the decay and beta themselves; FLA's dispatcher refuses its in-kernel gate), or where
+    flash_qla does not import; the Triton column is always there."""
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    fake, flash_qla = FakeFla(), FakeFlashQla()
+    importer, _ = _dispatching_fla(fake, flash_qla)
+    gdn = bench.fla_baseline(recurrence("gdn"))
+    assert [c.impl for c in bench.direct_peers(recurrence("gdn"), gdn, PEER_SHAPE, torch.bfloat16, True, importer)] == \
+        ["flashqla-direct"]
+    assert bench.direct_peers(recurrence("gdn"), gdn, Shape(1, 12, 1, 2, 64, 128), torch.bfloat16, True, importer) == []
+    assert bench.direct_peers(recurrence("gdn"), gdn, PEER_SHAPE, torch.float32, True, importer) == []
+    assert bench.direct_peers(recurrence("gdn"), gdn, Shape(4, 1, 1, 2, 128, 128), torch.bfloat16, True, importer) == []
+    qwen = recurrence("gdn_qwen35")
+    assert bench.direct_peers(qwen, bench.fla_baseline(qwen), PEER_SHAPE, torch.bfloat16, True, importer) == []
+    notes = []
+
+    def refuses(name):
+        if name == "flash_qla":
+            raise ValueError("FlashQLA now support sm90, sm100, sm103, sm120 and sm121 only")
+        return importer(name)
+
+    assert bench.direct_peers(recurrence("gdn"), gdn, PEER_SHAPE, torch.bfloat16, True, refuses, notes.append) == []
+    assert notes == ["flash_qla does not import (ValueError: FlashQLA now support sm90, sm100, sm103, sm120 and sm121 "
+                     "only): no flashqla-direct column"]
+    # FLA's dispatcher declines the in-kernel gate: gdn_qwen35 gets the Triton column only
+    qwen_baseline = bench.fla_baseline(qwen)
+    fla_chunk = importer("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    call = tiny_call(qwen, PEER_SHAPE, torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    peers = bench.fla_peers(qwen, qwen_baseline.chunk, fla_chunk, True, call, bench.FORWARD, importer)
+    assert [(p.impl, p.expects, p.problem) for p in peers] == [("fla-triton", "fla-triton", None)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +599,37 @@ def test_gate_cross_checks_the_full_shape_where_the_oracle_sees_a_prefix(generat
     assert "differs from lrdsl wrong after the prefix" in rows[0].reason
     assert "differs from fla-triton fla_like" in rows[1].reason
     assert rows[1].ratios == {}
+
+
+def test_cross_check_with_several_peers_fails_only_the_odd_one_out(generator):
+    """Three implementations right on the oracle's prefix, one of them wrong after it: the two
+    that agree keep their rows (each agrees with a third that also differs from the odd one), the
+    odd one fails, and lrdsl gets a ratio to the peer that passed only. With two alone, both
+    fail (test above)."""
+    rec = recurrence("deltanet")
+    shape = Shape(1, 12, 1, 1, 8, 8)
+    call = tiny_call(rec, shape, generator)
+
+    def wrong_after_prefix(o, final_state):
+        if o.shape[1] <= 8:
+            return o, final_state
+        o = o.clone()
+        o[:, 8:] *= 1.1
+        return o, final_state * 1.1
+
+    triton = _oracle_contender(rec, bench.FLA_TRITON, "fla_like", lambda o, s: (o, s))
+    odd = _oracle_contender(rec, "flashqla", "odd_one", wrong_after_prefix)
+    ours = _oracle_contender(rec, bench.LRDSL, "ours", lambda o, s: (o, s))
+
+    rows = {r.impl: r for r in _group(rec, [triton, odd, ours], call, shape, bench.FORWARD, (1, 8))}
+
+    assert rows["fla-triton"].ok and rows["lrdsl"].ok, rows
+    assert not rows["flashqla"].ok and "differs from fla-triton fla_like" in rows["flashqla"].reason
+    assert "differs from lrdsl ours" in rows["flashqla"].reason
+    assert rows["lrdsl"].ratios == {"fla-triton": pytest.approx(rows["fla-triton"].ms / rows["lrdsl"].ms)}
+    assert rows["lrdsl"].diff_vs_other == pytest.approx(0.1, rel=0.2)  # its worst difference: from the odd peer
+    assert bench.ratio_summary(list(rows.values()))[("deltanet", "1x12x1x1x8x8")]["fwd"] == {
+        "fla-triton": rows["lrdsl"].ratios["fla-triton"], "flashqla": "FAILED"}
 
 
 def test_an_implementation_that_raises_is_a_failed_row(generator):
@@ -567,6 +793,74 @@ def test_rows_written_by_json_are_reported_again_without_a_gpu(gdn_rows, tmp_pat
     (tmp_path / "bad.json").write_text('[{"spec": "gdn"}]')
     assert "not rows written by lrdsl bench --json" in _error_line(["bench", "--from-json", str(tmp_path / "bad.json")], capsys)
     assert "give no spec files or --all" in _error_line(["bench", "--all", "--from-json", str(first)], capsys)
+
+
+def test_json_from_before_the_peer_columns_reads_as_those_columns(tmp_path):
+    """A file written when FLA had one column ("fla-core", its path saying what ran, one
+    "ratio" per lrdsl row) reads as the column that path names, with the ratio to it."""
+    common = dict(spec="gdn", mode="fwd", shape="4x4096x16x32", status="ok", reason="", tflops=None, state_tbps=None,
+                  peak_mib=None, cold_s=None, err_vs_oracle=1e-3, worst_vs_oracle="o", diff_vs_other=1e-3, vs_pool=None)
+    old = [dict(common, impl="fla-core", kernel="chunk_gated_delta_rule", path="flashqla", ms=0.759, ratio=None),
+           dict(common, impl="lrdsl", kernel="chunk[split]", path="lrdsl", ms=0.999, ratio=0.759 / 0.999),
+           dict(common, mode="fwd+bwd", impl="fla-core", kernel="chunk_gated_delta_rule", path="-", ms=None,
+                ratio=None, status="FAILED", reason="RuntimeError: x"),
+           dict(common, mode="fwd+bwd", impl="lrdsl", kernel="chunk[split]", path="lrdsl", ms=3.8, ratio=None)]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    rows = bench.rows_from_json(path)
+    assert [(r.mode, r.impl, r.ratios) for r in rows] == [
+        ("fwd", "flashqla", {}), ("fwd", "lrdsl", {"flashqla": pytest.approx(0.76, abs=1e-3)}),
+        ("fwd+bwd", "fla-core", {}), ("fwd+bwd", "lrdsl", {})]
+    assert bench.ratio_summary(rows)[("gdn", "4x4096x16x32")] == {
+        "fwd": {"flashqla": rows[1].ratios["flashqla"]}, "fwd+bwd": {"fla-core": "FAILED"}}
+    rewritten = tmp_path / "new.json"
+    rewritten.write_text(bench.to_json(rows))
+    assert bench.rows_from_json(rewritten) == rows
+
+
+def test_decode_rows_carry_the_cards_copy_bandwidth_and_their_fraction_of_it(tmp_path):
+    row = bench.BenchRow("gdn", "decode", "256x1x16x32", "lrdsl", "recurrent", "lrdsl", ms=0.1, state_tbps=2.78)
+    training = bench.BenchRow("gdn", "fwd", "4x4096x16x32", "lrdsl", "chunk[split]", "lrdsl", ms=1.0, tflops=100.0)
+    with_copy = bench.with_copy_bandwidth([row, training], 2.98)
+    assert with_copy[0].copy_tbps == 2.98 and with_copy[0].of_copy == pytest.approx(2.78 / 2.98)
+    assert with_copy[1] == training  # no state traffic: nothing to hold against the copy
+    assert bench.with_copy_bandwidth([row], None) == [row]  # off a GPU: not measured
+    assert "2.78/2.98 TB/s" in bench.format_row(with_copy[0]) and " 0.93 " in bench.format_row(with_copy[0])
+    assert bench.measure_copy_tbps("cpu") is None
+    (tmp_path / "rows.json").write_text(bench.to_json(with_copy))
+    assert bench.rows_from_json(tmp_path / "rows.json") == with_copy
+
+
+@pytest.mark.gpu
+def test_copy_bandwidth_is_measured_on_the_gpu():
+    tbps = bench.measure_copy_tbps("cuda", nbytes=1 << 28)
+    print(f"copy: {tbps:.2f} TB/s")
+    assert 0.1 < tbps < 20  # any card this runs on: between a PCIe link's and beyond HBM3e's
+
+
+def test_family_covers_every_shipped_spec_with_an_fla_counterpart():
+    """Every spec in specs/ with an FLA counterpart (deltanet and simple_gla included) gets an FLA
+    Triton row beside lrdsl's, gated, with a ratio, at the family's head layout (H = HV)."""
+    counterparts = {}
+    for path in sorted((ROOT / "specs").glob("*.toml")):
+        rec = recurrence(path.stem)
+        if bench.fla_baseline(rec) is not None:
+            counterparts[rec.name] = rec
+    assert set(counterparts) == {"gdn", "gdn_qwen35", "deltanet", "simple_gla", "kda", "gla", "rwkv7"}
+    assert bench.parse_shapes("family") == list(bench.FAMILY_SHAPES)
+    family = bench.FAMILY_SHAPES[0]
+    tiny = Shape(1, 6, 2, 2, 8, 8)  # the family's layout (H = HV) at a size the CPU oracle runs in a blink
+    assert family.H == family.HV
+    fake = FakeFla()
+    specs = [bench.SpecUnderTest(name, rec, _oracle_module(rec)) for name, rec in counterparts.items()]
+    rows = bench.bench(specs, [tiny], backward=True, device="cpu", dtype=torch.float32,
+                       seed=int(torch.seed() % 2**31), importer=fake.importer)
+    for name in counterparts:
+        for mode in ("fwd", "fwd+bwd"):
+            group = [(r.impl, r.ok, bool(r.ratios)) for r in rows if r.spec == name and r.mode == mode]
+            assert group == [("fla-triton", True, False), ("lrdsl", True, True)], (name, mode, rows)
+    called = {name for name, _ in fake.calls}
+    assert {"chunk_delta_rule", "chunk_simple_gla", "chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_rwkv7"} <= called
 
 
 def test_plot_writes_a_png_of_the_ratios(gdn_rows, tmp_path):
