@@ -1,24 +1,38 @@
-"""Side-by-side benchmarks: lrdsl's generated kernels vs fla-core 0.6.0, gated on correctness.
+"""Side-by-side benchmarks: lrdsl's generated kernels vs its peers (fla-core 0.6.0, FlashQLA 0.1.3),
+gated on correctness.
 
     lrdsl bench SPEC [SPEC ...] | --all  [--shapes LIST] [--plans LIST] [--backward]
                                          [--json FILE] [--plot FILE.png]
     lrdsl bench --from-json FILE [FILE ...] [--json FILE] [--plot FILE.png]   (no GPU: report earlier runs)
 
-Protocol: same process, same inputs; bf16 q, k, v (and beta); fp32 g; use_qk_l2norm_in_kernel=True
-wherever FLA's function takes it (else False on both sides); scale = K**-0.5; median of
-triton.testing.do_bench; peak memory of one call (its inputs included, whatever else the process
-holds excluded); cold time = the first call of that function at that shape in the process
-(compilation and autotuning included). TFLOP/s: the recurrent form's 6 * B * T * HV * K * V
-floating-point operations for the forward (predict, write, read: 2KV each per token and head),
-3x that for forward + backward, the same count for every implementation. Decode (T = 1): an
-fp32 initial state in, the final state out, as a server does; TB/s counts that state read once
-and written once, also when the kernels run as a CUDA-graph replay.
+Peers, each a column of its own, timed in the same process on the same inputs: "fla-triton",
+FLA's public function with every backend its dispatcher would pick for the call switched off
+(fla-core 0.6.0 reads each backend's environment switch at every call; the switches are set
+around every call of that column, its backward included); the backend FLA's dispatcher picks,
+where it picks one ("flashqla": FLA sends chunk_gated_delta_rule to FlashQLA on Hopper when
+flash-qla is installed); "flashqla-direct", flash_qla.chunk_gated_delta_rule itself, where it
+imports and applies (the plain scalar-gate delta rule with beta, K = V = 128, bf16 or fp16).
+Each lrdsl row gets one ratio per peer: peer ms / lrdsl ms.
+
+Protocol: bf16 q, k, v (and beta); fp32 g; use_qk_l2norm_in_kernel=True wherever FLA's function
+takes it (else False on both sides); scale = K**-0.5; median of triton.testing.do_bench; peak
+memory of one call (its inputs included, whatever else the process holds excluded); cold time =
+the first call of that function at that shape in the process (compilation and autotuning
+included). TFLOP/s: the recurrent form's 6 * B * T * HV * K * V floating-point operations for
+the forward (predict, write, read: 2KV each per token and head), 3x that for forward + backward,
+the same count for every implementation. Decode (T = 1): an fp32 initial state in, the final
+state out, as a server does; TB/s counts that state read once and written once, also when the
+kernels run as a CUDA-graph replay, beside the card's copy bandwidth (one 1 GiB device-to-device
+copy, bytes read + written, measured once per run) and the fraction of it.
 
 Correctness gate: every row's outputs (o, the final state, and for forward + backward the
 gradient of every input) are compared with the float64 oracle (lrdsl.reference) and with the
-other implementation's. A row whose outputs are not finite, or differ from either beyond the
-dtype's tolerance, is FAILED and gets no ratio. FLA functions are called by keyword, each spec
-input mapped to FLA's parameter by its role (the gate to `g`, beta to `beta`), never by position.
+other implementations'. A row whose outputs are not finite, or differ from the oracle's beyond
+the dtype's tolerance, is FAILED and gets no ratio; so is one that differs from another
+implementation unless a third sides with it (see _rows). Peer functions are called by keyword,
+each spec input mapped to the peer's parameter by its role (the gate to `g`, beta to `beta`) or,
+for an in-kernel form (gdn_qwen35: FLA's use_gate_in_kernel and use_beta_sigmoid_in_kernel),
+by matching the spec's formulas with the peer's symbol for symbol; never by position.
 
 Serving (--serving, at decode shapes; lrdsl only, FLA has no state pool): decode on a state
 pool of 2B rows in random order (fp32 and bf16 state), verify of 4 draft tokens, and verify +
@@ -963,22 +977,25 @@ class SpecUnderTest:
 
 def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda", dtype=torch.bfloat16,
           seed: int = 0, importer=importlib.import_module, oracle_tokens: int = ORACLE_TOKENS,
-          on_rows=None, on_note=None, serving: bool = False, chunk_sizes=None) -> list[BenchRow]:
+          on_rows=None, on_note=None, serving: bool = False, chunk_sizes=None,
+          copy_tbps: float | None = None) -> list[BenchRow]:
     """Rows for every spec x shape x mode: the peers' (FLA's Triton kernels and the backend its
     dispatcher picks, where it has a counterpart and is installed; FlashQLA called directly,
     where it applies), then lrdsl's per plan (None: the module's default plan) and chunk size
     (None: the module's choice), each gated on correctness; with `serving`, the serving rows at
     each decode shape after its decode rows. Rows with a state TB/s carry the card's copy
-    bandwidth, measured once (on a GPU).
+    bandwidth, measured once (on a GPU; `copy_tbps`: measured already, by a caller that runs
+    bench() piece by piece).
     `on_rows` gets each group's rows as soon as they exist (a long run shows progress), `on_note`
     one-line notes (a skipped shape)."""
     rows: list[BenchRow] = []
     generator = torch.Generator().manual_seed(seed)
     measure = measurers(device)
     tolerance = TOLERANCE[dtype]
-    copy_tbps = measure_copy_tbps(device) if any(is_decode(s) for s in shapes) else None
-    if copy_tbps is not None and on_note is not None:
-        on_note(f"this card copies {copy_tbps:.2f} TB/s ({COPY_BYTES >> 30} GiB device to device, bytes read + written)")
+    if copy_tbps is None and any(is_decode(s) for s in shapes):
+        copy_tbps = measure_copy_tbps(device)
+        if copy_tbps is not None and on_note is not None:
+            on_note(f"this card copies {copy_tbps:.2f} TB/s ({COPY_BYTES >> 30} GiB device to device, bytes read + written)")
 
     def emit(group):
         group = with_copy_bandwidth(group, copy_tbps)

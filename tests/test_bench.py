@@ -22,7 +22,7 @@ from lrdsl.workloads import Shape
 
 from conftest import HAS_GPU, ROOT
 from helpers import module, recurrence
-from test_cli import assert_one_line_error, run
+from test_cli import _script_module, assert_one_line_error, run
 
 TINY_TRAINING = Shape(2, 20, 1, 2, 16, 16)
 TINY_DECODE = Shape(2, 1, 1, 2, 16, 16)
@@ -861,6 +861,67 @@ def test_family_covers_every_shipped_spec_with_an_fla_counterpart():
             assert group == [("fla-triton", True, False), ("lrdsl", True, True)], (name, mode, rows)
     called = {name for name, _ in fake.calls}
     assert {"chunk_delta_rule", "chunk_simple_gla", "chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_rwkv7"} <= called
+
+
+def test_bench_peers_phases_cover_every_spec_with_an_fla_counterpart_and_issue_45s_shapes():
+    """scripts/bench_peers.py: its phases name shipped specs and shapes `--shapes` takes, the
+    family phases cover every spec with an FLA counterpart, and gdn runs at the training shapes
+    and FlashQLA's published ones (issue 45: 1 x 32768 at 16/64 heads; 4 x 8192)."""
+    script = _script_module("bench_peers")
+    family = set()
+    for phase, (names, shapes) in script.PHASES.items():
+        parsed = bench.parse_shapes(shapes)
+        assert parsed, phase
+        for name in names:
+            assert (ROOT / "specs" / f"{name}.toml").exists()
+        if shapes == "family":
+            family.update(names)
+    with_counterpart = {p.stem for p in (ROOT / "specs").glob("*.toml") if bench.fla_baseline(recurrence(p.stem))}
+    assert family == with_counterpart
+    gdn_shapes = {bench.shape_label(s) for phase, (names, shapes) in script.PHASES.items() if "gdn" in names
+                  for s in bench.parse_shapes(shapes)}
+    assert {"4x4096x16x32", "1x32768x16x32", "1x65536x2x8", "1x32768x16x64", "4x8192x16x64",
+            "256x1x16x32"} <= gdn_shapes
+
+
+def test_bench_peers_writes_each_phase_as_it_goes_and_stops_starting_work_at_its_deadline(monkeypatch, tmp_path,
+                                                                                           capsys):
+    """The driver's loop without a GPU: bench() is replaced by one that makes an lrdsl row and a
+    peer row per call; the copy bandwidth is measured once for the decode phase and passed on;
+    each phase's JSON holds its rows; past the deadline nothing new starts and the rest is named."""
+    script = _script_module("bench_peers")
+    import lrdsl
+
+    calls = []
+
+    def fake_bench(specs, shapes, backward, seed, on_rows, on_note, copy_tbps):
+        (spec,), (shape,) = specs, shapes
+        calls.append((spec.name, bench.shape_label(shape), backward, copy_tbps))
+        label = bench.shape_label(shape)
+        peer = bench.BenchRow(spec.name, "fwd", label, "fla-triton", "f", "fla-triton", ms=2.0)
+        ours = bench.BenchRow(spec.name, "fwd", label, "lrdsl", "chunk[split]", "lrdsl", ms=1.0, ratios={"fla-triton": 2.0})
+        on_rows([peer, ours])
+        return [peer, ours]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a fake card")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "bench", fake_bench)
+    monkeypatch.setattr(bench, "measure_copy_tbps", lambda device: 3.0)
+    monkeypatch.setattr(bench, "allow_fla_gated_backward_on_hopper", lambda: False)
+    monkeypatch.setattr(lrdsl, "load", lambda path: None)
+
+    assert script.main(["decode", "family-b", "--out", str(tmp_path), "--deadline", "1e9"]) == 0
+    assert calls[:4] == [("gdn", f"{b}x1x16x32", False, 3.0) for b in (1, 64, 256, 1024)]
+    assert [c[:3] for c in calls[4:]] == [(n, "4x4096x16x16", True) for n in ("kda", "gla", "rwkv7")]
+    assert [r.spec for r in bench.rows_from_json(tmp_path / "family-b.json")] == ["kda", "kda", "gla", "gla", "rwkv7", "rwkv7"]
+    printed = capsys.readouterr().out
+    assert "[decode] 0 FAILED row(s)" in printed and "fwd fla-triton" in printed
+
+    calls.clear()
+    assert script.main(["training", "--out", str(tmp_path), "--deadline", "0"]) == 0
+    assert calls == []
+    assert "not run (past --deadline 0 s): training: gdn 4x4096x16x32; training: gdn 1x32768x16x32" in capsys.readouterr().out
 
 
 def test_plot_writes_a_png_of_the_ratios(gdn_rows, tmp_path):
