@@ -75,7 +75,7 @@ TRAINING_SHAPES = (
     Shape(1, 65536, 2, 8, 128, 128),
 )
 DECODE_SHAPES = tuple(Shape(B, 1, 16, 32, 128, 128) for B in (1, 64, 256, 1024))
-# the family's comparison shape (kda, gla, rwkv7 against FLA's chunk_kda, chunk_gla, chunk_rwkv7): no GVA
+# the family's comparison shape (every spec with an FLA counterpart against it): no GVA
 FAMILY_SHAPES = (Shape(4, 4096, 16, 16, 128, 128),)
 SHAPE_GROUPS = {"training": TRAINING_SHAPES, "family": FAMILY_SHAPES, "decode": DECODE_SHAPES}
 
@@ -314,7 +314,7 @@ def _match_in_kernel_form(rec: Recurrence, function: FlaFunction) -> dict | None
     expressions = {role: expr for role, expr in _role_expressions(rec).items() if expr is not None}
     if set(expressions) != set(function.formulas):
         return None
-    forms = {role: sympy.sympify(parse_formula(text, _formula_names(text))) for role, text in function.formulas.items()}
+    forms = {role: parse_formula(text, _formula_names(text)) for role, text in function.formulas.items()}
     parameters = sorted({str(s) for form in forms.values() for s in form.free_symbols})
     names = [i.name for i in rec.inputs]
     if len(parameters) != len(names):
@@ -1199,7 +1199,7 @@ def serving_rows(spec: SpecUnderTest, shape: Shape, device: str, dtype, generato
 
 _COLUMNS = (("spec", 10), ("mode", 19), ("shape", 15), ("impl", 15), ("kernel", 32), ("path", 10),
             ("time", 11), ("rate", 16), ("of copy", 7), ("peak MiB", 8), ("cold s", 6), ("vs oracle", 9),
-            ("vs other", 8), ("peer/lrdsl", 40), ("x pool", 6), ("status", 0))
+            ("vs other", 8), ("peer/lrdsl", 50), ("x pool", 6), ("status", 0))
 HEADER = " ".join(f"{name:<{width}}" if width else name for name, width in _COLUMNS)
 
 

@@ -359,6 +359,29 @@ def _registries(importer_modules, *backends):
     return {**importer_modules, "fla.backends": backends_module}
 
 
+def test_an_fla_that_ignores_the_in_kernel_gate_keywords_fails_the_gate():
+    """chunk_gated_delta_rule's in-kernel gate keywords pass through its **kwargs: an FLA that
+    dropped them would take a and b for the decay and beta themselves. The oracle gate fails that
+    row (no ratio) instead of timing another recurrence."""
+    rec = recurrence("gdn_qwen35")
+    gdn = recurrence("gdn")
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, **kwargs):
+        return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = chunk_gated_delta_rule
+    module.fused_recurrent_gated_delta_rule = FakeFla().modules["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule
+    importer = {"fla.ops.gated_delta_rule": module}.get
+    rows = bench.bench([bench.SpecUnderTest("gdn_qwen35", rec, _oracle_module(rec))], [Shape(1, 6, 1, 2, 8, 8)],
+                       device="cpu", dtype=torch.float32, seed=int(torch.seed() % 2**31),
+                       importer=lambda name: importer(name) or _no_fla(name))
+    fla_row, ours = rows
+    assert fla_row.impl == "fla-triton" and not fla_row.ok and "differs from the float64 oracle" in fla_row.reason
+    assert ours.ok and ours.ratios == {}
+
+
 def test_triton_switches_turn_off_each_backend_fla_would_pick_and_restore_the_environment(fake_fla, generator,
                                                                                         monkeypatch):
     monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
