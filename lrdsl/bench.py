@@ -1350,8 +1350,10 @@ def plot_ratios(rows: list[BenchRow], path) -> None:
         ax.set_ylim(0, top * 1.15)
         ax.set_ylabel("peer ms / lrdsl ms")
         ax.set_title(f"{spec}: above 1, lrdsl is faster")
-        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[key]) for key in series],
-                  labels=[f"{m} vs {p}" for m, p in series], fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        own = [(m, p) for m, p in series if any(p in summary[(spec, shape)].get(m, {}) for shape in shapes)]
+        if own:  # a spec without peers has only its "no peer" notes
+            ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[key]) for key in own],
+                      labels=[f"{m} vs {p}" for m, p in own], fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
