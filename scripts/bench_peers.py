@@ -32,8 +32,8 @@ STARTED = time.monotonic()
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# FLA's autotuning results kept in Triton's cache (read when FLA's kernels are decorated): a
-# second phase in the same process, or on the same machine, does not tune again
+# FLA's autotuning results kept in Triton's on-disk cache (read when FLA's kernels are
+# decorated): a later process on the same machine, while it is still warm, does not tune again
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 FAMILY = "family"
