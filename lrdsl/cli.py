@@ -359,11 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: prove the chunk form and its backward equal to the recurrence (sympy)")
     p.set_defaults(run=cmd_check)
 
-    p = sub.add_parser("bench", help="time the generated kernels side by side with fla-core (GPU)")
+    p = sub.add_parser("bench", help="time the generated kernels side by side with FLA and FlashQLA (GPU)")
     p.add_argument("specs", nargs="*", metavar="SPEC", help="spec files (or --all)")
     p.add_argument("--all", action="store_true", help="every spec in ./specs with an FLA counterpart")
     p.add_argument("--shapes", default="training",
-                   help="comma-separated: training, family (4 x 4096, H = HV = 16: kda, gla, rwkv7 vs FLA), decode, "
+                   help="comma-separated: training, family (4 x 4096, H = HV = 16: every spec with an FLA counterpart), decode, "
                         "a known shape by BxT (4x4096, 256x1) or BxTxHxHV[xKxV]; T = 1 is decode (default training)")
     p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: the module's default plan)")
     p.add_argument("--chunk-sizes", default=None, metavar="C[,C...]",
@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens and verify + commit, eager and as CUDA-graph replays (lrdsl only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG of FLA / lrdsl per shape (needs matplotlib)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG of peer / lrdsl per shape (needs matplotlib)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="instead of measuring: report (and --plot, --json) rows that earlier --json runs wrote")
     p.set_defaults(run=cmd_bench)
