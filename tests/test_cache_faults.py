@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,11 @@ def fresh_process_load():
     """lrdsl.load as a new process would do it: nothing remembered in memory."""
     loader._loaded.clear()
     return lrdsl.load(spec_path(SPEC))
+
+
+def fresh_process_load_of(name: str):
+    loader._loaded.clear()
+    return lrdsl.load(spec_path(name))
 
 
 def the_entry(directory: Path) -> Path:
@@ -199,3 +206,101 @@ def test_processes_filling_one_entry_at_once_leave_one_sound_entry(private_cache
     assert len(entries) == 1, entries
     assert cache.read_entry(entries[0])[1] is None
     assert not list(private_cache.glob(".*.tmp")), "no temporary file is left behind"
+
+
+# -- threads ------------------------------------------------------------------------------------
+
+THREADS = 6
+
+
+def _load_from_threads(spec: str) -> tuple[list, list]:
+    """lrdsl.load(spec) from THREADS threads released at one moment: (modules, exceptions)."""
+    barrier = threading.Barrier(THREADS)
+    modules, failures = [None] * THREADS, [None] * THREADS
+
+    def load(i):
+        barrier.wait(timeout=60)
+        try:
+            modules[i] = lrdsl.load(spec)
+        except BaseException as exc:  # noqa: BLE001 - the test reports what each thread raised
+            failures[i] = exc
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return modules, failures
+
+
+@pytest.mark.parametrize("cache_state", ["cold", "warm"])
+def test_threads_loading_one_spec_at_once_get_one_module(cache_state, private_cache, monkeypatch, capfd, generator):
+    """Cold: no entry on disk; warm: an entry another process wrote, nothing loaded in this one.
+    Every thread gets the same module, imported (custom ops registered) once, and it stays in
+    sys.modules: its ops and torch.compile find it there."""
+    if cache_state == "warm":
+        fresh_process_load_of("gdn")
+        loader._loaded.clear()
+    imports = []
+    import_file = loader.import_file
+
+    def counted_import(*args):
+        imports.append(args[1])
+        return import_file(*args)
+
+    monkeypatch.setattr(loader, "import_file", counted_import)
+    capfd.readouterr()
+
+    modules, failures = _load_from_threads("gdn")
+
+    assert failures == [None] * THREADS, failures
+    assert len({id(module) for module in modules}) == 1, "every thread gets the same module"
+    assert len(imports) == 1, f"imported {len(imports)} times"
+    module = modules[0]
+    assert sys.modules[module.__name__] is module
+    assert capfd.readouterr().err == ""
+    # the registered custom op, called through the dispatcher as torch.compile calls it
+    rec = recurrence("gdn")
+    tensors = make_inputs(rec, Shape(1, 5, 1, 2, 8, 8), generator=generator)
+    o, ht = module._compiled_recurrent(tensors, None, None, True, None, False, False, None, None, True, None)
+    ref_o, ref_ht = reference.run(rec, *tensors, output_final_state=True)
+    assert_close(o, ref_o, torch.float32, "o through the custom op")
+    assert_close(ht, ref_ht, torch.float32, "final state through the custom op")
+
+
+def test_threads_loading_different_specs_do_not_wait_on_one_lock(private_cache, monkeypatch):
+    """The lock is per key: a thread stuck importing one spec does not hold up another spec."""
+    first_importing, release = threading.Event(), threading.Event()
+    import_file = loader.import_file
+
+    def slow_for_linear_attn(file, name, source=None):
+        if "linear_attn" in name:
+            first_importing.set()
+            assert release.wait(timeout=300)
+        return import_file(file, name, source)
+
+    monkeypatch.setattr(loader, "import_file", slow_for_linear_attn)
+    slow = threading.Thread(target=lrdsl.load, args=("linear_attn",))
+    slow.start()
+    try:
+        assert first_importing.wait(timeout=300)
+        assert callable(lrdsl.load("deltanet").recurrent)  # would deadlock behind one global lock
+    finally:
+        release.set()
+        slow.join(timeout=300)
+
+
+def test_a_failed_import_leaves_another_import_of_that_name_in_place(tmp_path):
+    """A module that fails to import removes itself from sys.modules, never a module another
+    import registered under that name (a failing thread once deleted the winner's module)."""
+    good, bad = tmp_path / "good.py", tmp_path / "bad.py"
+    good.write_text("VALUE = 1\n")
+    bad.write_text("raise RuntimeError('broken')\n")
+    name = "lrdsl_test_shared_name"
+    winner = loader.import_file(good, name)
+    try:
+        with pytest.raises(RuntimeError, match="broken"):
+            loader.import_file(bad, name)
+        assert sys.modules[name] is winner
+    finally:
+        sys.modules.pop(name, None)

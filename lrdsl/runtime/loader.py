@@ -3,11 +3,17 @@
 Generated modules live in the cache directory (config.cache_dir()), named by spec and key, and
 are imported from there: Triton needs a real file to read kernel sources from. A damaged entry is
 regenerated (runtime/cache.py says how damage is found).
+
+Loading is safe from any number of threads: the look-up in the in-process table, the cache read or
+write and the import (which registers the module's custom ops) run under one lock per key, so the
+threads that ask for one module at once get the first thread's module, imported once; threads
+loading other modules do not wait for it.
 """
 from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 from .. import config
@@ -21,6 +27,15 @@ from . import cache
 KNOWN_OPTIONS: dict[str, object] = {}
 
 _loaded: dict[str, object] = {}
+
+# key -> the lock its loader holds; the table itself is guarded by _key_locks_guard
+_key_locks: dict[str, threading.Lock] = {}
+_key_locks_guard = threading.Lock()
+
+
+def _lock_for(key: str) -> threading.Lock:
+    with _key_locks_guard:
+        return _key_locks.setdefault(key, threading.Lock())
 
 
 def _check_options(options: dict) -> dict:
@@ -45,23 +60,26 @@ def load(path, **options):
     # the key needs only the canonical IR; the later passes run on a cache miss alone
     recurrence = run_pipeline(spec, until="recurrence")["recurrence"]
     key = cache.cache_key(recurrence.fingerprint(), options)
-    if key in _loaded:
+    with _lock_for(key):
+        if key not in _loaded:
+            _loaded[key] = _load_entry(spec, recurrence.name, key)
         return _loaded[key]
-    name = recurrence.name
+
+
+def _load_entry(spec, name: str, key: str):
+    """The module of `key`, from its cache entry (made first on a miss). Called under key's lock."""
     file_name = f"{name}_{key[:20]}.py"
     file = cache.entry_path(file_name)
     source, damage = cache.read_entry(file)
     if source is None:
         if damage is not None:
             cache.warn(f"cache entry {file} is {damage}; regenerating it")
-        source = emit_module(run_pipeline(spec), spec_path=str(path))
+        source = emit_module(run_pipeline(spec), spec_path=spec.path)
         file = cache.store_entry(file_name, source)
     dump = config.dump_dir()
     if dump is not None:  # on a hit too: the user asked to see every module lrdsl loads
         cache.atomic_write(Path(dump) / file_name, source)
-    module = import_file(file, f"lrdsl_generated_{name}_{key[:20]}", source)
-    _loaded[key] = module
-    return module
+    return import_file(file, f"lrdsl_generated_{name}_{key[:20]}", source)
 
 
 def import_file(file: Path, module_name: str, source: str | None = None):
@@ -71,11 +89,18 @@ def import_file(file: Path, module_name: str, source: str | None = None):
     source = file.read_text(encoding="utf-8") if source is None else source
     spec = importlib.util.spec_from_file_location(module_name, file)
     module = importlib.util.module_from_spec(spec)
+    previous = sys.modules.get(module_name)
     sys.modules[module_name] = module  # Triton resolves kernel globals through the module
     try:
         # compiled under the file's name: Triton reads kernel sources back from the file
         exec(compile(source, str(file), "exec"), module.__dict__)
     except BaseException:
-        del sys.modules[module_name]  # no half-initialised module left for the next import to find
+        # no half-initialised module left for the next import to find; and only this one removed:
+        # a module another import put there is not this failure's to take away
+        if sys.modules.get(module_name) is module:
+            if previous is None:
+                del sys.modules[module_name]
+            else:
+                sys.modules[module_name] = previous
         raise
     return module
