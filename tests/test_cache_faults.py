@@ -304,3 +304,22 @@ def test_a_failed_import_leaves_another_import_of_that_name_in_place(tmp_path):
         assert sys.modules[name] is winner
     finally:
         sys.modules.pop(name, None)
+
+
+# -- how the spec was named ---------------------------------------------------------------------
+
+def test_entry_bytes_do_not_depend_on_how_the_spec_was_named(tmp_path, monkeypatch):
+    """A shipped name, a relative path, an absolute path and a copy under a file name UTF-8 cannot
+    encode (Latin-1 bytes) give one key and byte-identical entries: the path is not in the text."""
+    copy = os.fsdecode(os.fsencode(tmp_path) + b"/sp\xe9c.toml")
+    Path(copy).write_bytes(Path(spec_path(SPEC)).read_bytes())
+    monkeypatch.chdir(Path(spec_path(SPEC)).parent.parent)
+    entries = {}
+    for naming in (SPEC, f"specs/{SPEC}.toml", spec_path(SPEC), copy):
+        directory = tmp_path / f"cache{len(entries)}"
+        monkeypatch.setenv("LRDSL_CACHE_DIR", str(directory))
+        monkeypatch.setattr(loader, "_loaded", {})
+        assert callable(lrdsl.load(naming).recurrent)
+        entry = the_entry(directory)
+        entries[naming] = (entry.name, entry.read_bytes())
+    assert len(set(entries.values())) == 1, {naming: name for naming, (name, _) in entries.items()}

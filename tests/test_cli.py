@@ -461,3 +461,41 @@ def test_autotune_results_travel_between_machines_per_gpu_model(tmp_path):
     assert (second / "a1" / "chunk_fwd_kernel_o.autotune.json").read_text() == '{"key": "a1", "configs_timings": []}'
     assert not list(second.rglob("*.cubin"))
     assert cache.collect(store, "NVIDIA H200", tmp_path / "absent") == 0
+
+
+# -- spec paths UTF-8 cannot encode -------------------------------------------------------------
+
+# (file name as the OS stores it, extra environment): Latin-1 bytes, which are not UTF-8; and a
+# UTF-8 name under a C locale that Python honours (no UTF-8 mode, no locale coercion), where the
+# file system encoding is ASCII. Either way Python hands lrdsl a str holding surrogates.
+ODD_NAMES = {
+    "latin1_bytes": (b"sp\xe9c_latin1.toml", {}),
+    "c_locale": ("spéc_c_locale.toml".encode(), {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}),
+}
+ODD_NAME_COMMANDS = {
+    "compile": lambda spec, tmp: ["compile", spec, "-o", str(tmp / "out.py")],
+    "show": lambda spec, tmp: ["show", spec, "--stage", "spec"],
+    "show_module": lambda spec, tmp: ["show", spec, "--stage", "module"],
+    "check": lambda spec, tmp: ["check", spec, "--forward-only", "--chunk-size", "16", "--shape", "1,3,1,1,4,4"],
+    "demo": lambda spec, tmp: ["demo", spec, "--output-dir", str(tmp / "out"), "--shape", "1,3,1,1,4,4"],
+}
+
+
+@pytest.mark.parametrize("command", list(ODD_NAME_COMMANDS))
+@pytest.mark.parametrize("naming", list(ODD_NAMES))
+def test_spec_path_that_utf8_cannot_encode(naming, command, tmp_path):
+    """Any file name the OS accepts works: once such a name reached the module text and its
+    digest, every command ended in UnicodeEncodeError."""
+    name, extra = ODD_NAMES[naming]
+    spec_file = os.fsencode(tmp_path) + b"/" + name
+    with open(spec_file, "wb") as handle:
+        handle.write(Path(spec_path("linear_attn")).read_bytes())
+    environment = user_environment(LRDSL_CACHE_DIR=str(tmp_path / "cache"), **extra)
+    args = [os.fsencode(a) for a in ODD_NAME_COMMANDS[command](os.fsdecode(spec_file), tmp_path)]
+    args[1] = spec_file  # the name as bytes: the child decodes it by its own locale
+    result = subprocess.run([os.fsencode(a) for a in lrdsl_command()] + args, cwd=ROOT, env=environment,
+                            capture_output=True, timeout=600)
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 0, stderr
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    assert result.stdout.strip(), "the command printed its result"
