@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -86,12 +87,22 @@ def make_unreadable(entry: Path):
     entry.symlink_to(entry.name)
 
 
+def another_specs_entry(entry: Path):
+    """A sound entry of another spec copied onto this one's file name: its digest holds, its key
+    does not (it was imported as this spec, silently, when entries recorded no key)."""
+    loader._loaded.clear()
+    lrdsl.load(spec_path("deltanet"))
+    (other,) = entry.parent.glob("deltanet_*.py")
+    shutil.copyfile(other, entry)
+
+
 DAMAGES = {
     "truncated": (truncate, "truncated or edited"),
     "empty": (empty, "is empty"),
     "edited": (edit, "truncated or edited"),
     "digest_line_removed": (drop_digest_line, "truncated or edited"),
     "unreadable": (make_unreadable, "unreadable"),
+    "another_specs_entry": (another_specs_entry, "filed under the wrong key"),
 }
 
 
@@ -109,7 +120,7 @@ def test_damaged_entry_is_regenerated_with_one_warning(damage, private_cache, ca
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"lrdsl: warning: cache entry {entry} ") and why in lines[0], lines[0]
     assert lines[0].endswith("regenerating it")
-    assert not entry.is_symlink() and cache.read_entry(entry)[0] is not None, "the entry is sound again"
+    assert not entry.is_symlink() and cache.parse_entry(entry.read_bytes()).source is not None, "sound again"
     assert_module_works(module, generator)
     fresh_process_load()  # and the next process finds it sound: no warning
     assert capfd.readouterr().err == ""
@@ -127,13 +138,16 @@ def test_sound_entry_loads_silently_and_leaves_no_bytecode(private_cache, capfd)
     assert not (private_cache / "__pycache__").exists()
 
 
-def test_entry_records_the_digest_of_its_contents(private_cache):
-    fresh_process_load()
+def test_entry_records_its_key_and_the_digest_of_its_contents(private_cache):
+    module = fresh_process_load()
     entry = the_entry(private_cache)
-    source, problem = cache.read_entry(entry)
+    key = next(key for key, loaded in loader._loaded.items() if loaded is module)
+    source, problem = cache.read_entry(entry, key)
     assert problem is None
-    assert entry.read_text() == cache.entry_text(source)
-    assert entry.read_text().splitlines()[-1].startswith("# lrdsl cache entry sha256=")
+    assert entry.read_text() == cache.entry_text(source, key)
+    *_, key_line, digest_line = entry.read_text().splitlines()
+    assert key_line == f"# lrdsl cache entry key={key} build={cache.build_fingerprint()}"
+    assert digest_line.startswith("# lrdsl cache entry sha256=")
 
 
 def test_unwritable_cache_directory_falls_back_to_a_private_one(tmp_path, monkeypatch, capfd, generator):
@@ -204,7 +218,7 @@ def test_processes_filling_one_entry_at_once_leave_one_sound_entry(private_cache
     assert all(Path(path).read_text() == "" for path in stderr_paths), "no warning: no process saw a damaged entry"
     entries = list(private_cache.glob("*.py"))
     assert len(entries) == 1, entries
-    assert cache.read_entry(entries[0])[1] is None
+    assert cache.parse_entry(entries[0].read_bytes()).damage is None
     assert not list(private_cache.glob(".*.tmp")), "no temporary file is left behind"
 
 
@@ -323,3 +337,22 @@ def test_entry_bytes_do_not_depend_on_how_the_spec_was_named(tmp_path, monkeypat
         entry = the_entry(directory)
         entries[naming] = (entry.name, entry.read_bytes())
     assert len(set(entries.values())) == 1, {naming: name for naming, (name, _) in entries.items()}
+
+
+# -- LRDSL_DUMP ---------------------------------------------------------------------------------
+
+def test_unwritable_dump_directory_warns_once_and_still_loads(private_cache, tmp_path, monkeypatch, capfd,
+                                                              generator):
+    """The module compiled and cached fine: a dump directory that cannot be written (here its
+    parent is a file, which stops root too) costs one warning per process, not the load."""
+    (tmp_path / "a_file").write_text("")
+    dump = tmp_path / "a_file" / "dump"
+    monkeypatch.setenv("LRDSL_DUMP", str(dump))  # a new directory: this process has not warned of it
+
+    module = lrdsl.load(spec_path(SPEC))
+    lrdsl.load(spec_path("deltanet"))  # a second module: no second warning
+
+    lines = warnings_in(capfd.readouterr().err)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"lrdsl: warning: cannot write LRDSL_DUMP={dump} ("), lines[0]
+    assert_module_works(module, generator)

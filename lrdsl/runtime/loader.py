@@ -15,6 +15,7 @@ import importlib.util
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 from .. import config
 from ..codegen.module import emit_module
@@ -27,6 +28,8 @@ from . import cache
 KNOWN_OPTIONS: dict[str, object] = {}
 
 _loaded: dict[str, object] = {}
+# LRDSL_DUMP directories that could not be written (warned about once per process)
+_dump_failures: set[Path] = set()
 
 # key -> the lock its loader holds; the table itself is guarded by _key_locks_guard
 _key_locks: dict[str, threading.Lock] = {}
@@ -60,26 +63,47 @@ def load(path, **options):
     # the key needs only the canonical IR; the later passes run on a cache miss alone
     recurrence = run_pipeline(spec, until="recurrence")["recurrence"]
     key = cache.cache_key(recurrence.fingerprint(), options)
+    return load_cached(recurrence.name, key, lambda: emit_module(run_pipeline(spec), spec_path=spec.path))
+
+
+def load_cached(name: str, key: str, make_source: Callable[[], str]):
+    """The module `name` of `key`: this process's, else its cache entry's, else made by
+    `make_source()` and stored first. Safe from any number of threads."""
     with _lock_for(key):
         if key not in _loaded:
-            _loaded[key] = _load_entry(spec, recurrence.name, key)
+            _loaded[key] = _load_entry(name, key, make_source)
         return _loaded[key]
 
 
-def _load_entry(spec, name: str, key: str):
-    """The module of `key`, from its cache entry (made first on a miss). Called under key's lock."""
-    file_name = f"{name}_{key[:20]}.py"
+def _load_entry(name: str, key: str, make_source: Callable[[], str]):
+    """Read (or make and store) the entry of `key` and import it. Called under key's lock."""
+    file_name = cache.entry_name(name, key)
     file = cache.entry_path(file_name)
-    source, damage = cache.read_entry(file)
+    source, damage = cache.read_entry(file, key)
     if source is None:
         if damage is not None:
             cache.warn(f"cache entry {file} is {damage}; regenerating it")
-        source = emit_module(run_pipeline(spec), spec_path=spec.path)
-        file = cache.store_entry(file_name, source)
-    dump = config.dump_dir()
-    if dump is not None:  # on a hit too: the user asked to see every module lrdsl loads
-        cache.atomic_write(Path(dump) / file_name, source)
+        source = make_source()
+        file = cache.store_entry(file_name, source, key)
+    _dump(file_name, source)
     return import_file(file, f"lrdsl_generated_{name}_{key[:20]}", source)
+
+
+def _dump(file_name: str, source: str) -> None:
+    """Copy a module into LRDSL_DUMP, on a hit too: the user asked to see every module lrdsl loads.
+    A dump directory that cannot be written costs one warning, never the load."""
+    dump = config.dump_dir()
+    if dump is None:
+        return
+    try:
+        cache.atomic_write(dump / file_name, source)
+    except OSError as exc:
+        with _key_locks_guard:
+            first = dump not in _dump_failures
+            _dump_failures.add(dump)
+        if first:
+            cache.warn(f"cannot write LRDSL_DUMP={dump} ({exc.strerror or type(exc).__name__}); "
+                       "modules load without their copies there")
 
 
 def import_file(file: Path, module_name: str, source: str | None = None):
