@@ -36,6 +36,7 @@ import torch
 import triton
 
 from .. import config
+from ..errors import LrdslError
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -252,8 +253,6 @@ def survey(directory: Path) -> list[CacheFile]:
     if not directory.exists():
         return []
     if not directory.is_dir():
-        from ..errors import LrdslError
-
         raise LrdslError(f"the module cache {directory} is not a directory")
     build, now = build_fingerprint(), time.time()
     found = []
@@ -274,8 +273,6 @@ def survey(directory: Path) -> list[CacheFile]:
 
 def remove(files: list[CacheFile]) -> list[CacheFile]:
     """Unlink `files`; returns those removed (one another process removed first is not)."""
-    from ..errors import LrdslError
-
     removed = []
     for file in files:
         try:
