@@ -1,6 +1,7 @@
 """Errors lrdsl raises on purpose. Each carries one line that names the problem.
 
-The CLI prints `str(error)` and exits non-zero; anything else escaping is a bug in lrdsl.
+The CLI prints `str(error)` and exits non-zero (2; 73 for an OutputError); anything else escaping
+is a bug in lrdsl.
 """
 from __future__ import annotations
 
@@ -35,3 +36,8 @@ class InputError(LrdslError, ValueError):
     Generated modules raise this very class when lrdsl is importable (`except lrdsl.InputError`
     catches every module's), and a class of their own, also a ValueError, when they run
     standalone (torch and triton only)."""
+
+
+class OutputError(LrdslError):
+    """A file the user asked for cannot be written: no permission, a read-only or full file
+    system, a missing directory or a parent that is a file."""
