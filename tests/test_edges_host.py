@@ -1,0 +1,230 @@
+"""The edges of the host code (issue 43): second derivatives are refused on every path,
+inference mode and no_grad work at every entry point, and a host copy of cu_seqlens that
+disagrees with the device one is refused (or, where it cannot be compared, bounded in the
+kernels). Every numeric result against the float64 oracle."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import lrdsl.ops as ops
+from lrdsl import reference
+from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+
+from conftest import ROOT, INTERPRETED
+from helpers import module, recurrence
+
+TOL = TOLERANCE[torch.float32]
+SHAPE = Shape(1, 20, 1, 2, 16, 16)  # GVA 2
+BOUNDS = [0, 7, 7, 20]  # an empty sequence between two others
+
+
+def gdn_inputs(generator, shape=SHAPE):
+    rec = recurrence("gdn")
+    return rec, make_inputs(rec, shape, dtype=torch.float32, generator=generator)
+
+
+def check_against_oracle(rec, tensors, out, **kwargs):
+    """o and the final state of a call against the float64 oracle on the same arguments."""
+    ref_o, ref_ht = reference.run(rec, *tensors, output_final_state=True, **kwargs)
+    o, ht = out
+    assert relative_error(o, ref_o) <= TOL, f"o: {relative_error(o, ref_o):.2e}"
+    if ht is not None:
+        assert relative_error(ht, ref_ht) <= TOL, f"final state: {relative_error(ht, ref_ht):.2e}"
+
+
+# -- item 2: a second derivative is refused, with constant cotangents -----------------------------
+
+def _module_path(kernel):
+    def run(tensors, cu_seqlens):
+        return getattr(module("gdn"), kernel)(*tensors, cu_seqlens=cu_seqlens, output_final_state=True)
+    return run
+
+
+def _op_path(kernel):
+    """The torch.library custom op (what torch.compile calls), called directly: its own autograd."""
+    def run(tensors, cu_seqlens):
+        mod = module("gdn")
+        q, k, v, *extras = tensors
+        if kernel == "recurrent":
+            return mod._OPS.recurrent(q, k, v, extras, None, cu_seqlens, 16 ** -0.5, True, False, False)
+        return mod._OPS.chunk(q, k, v, extras, None, cu_seqlens, None, None, 16 ** -0.5, True, False, 16, 16,
+                              mod.DEFAULT_CHUNK_PLAN, "recompute", "input", False)
+    return run
+
+
+def _fla_path(kernel):
+    def run(tensors, cu_seqlens):
+        q, k, v, g, beta = tensors
+        fn = ops.chunk_gated_delta_rule if kernel == "chunk" else ops.fused_recurrent_gated_delta_rule
+        return fn(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, output_final_state=True)
+    return run
+
+
+SECOND_DERIVATIVE_PATHS = {
+    "module.chunk": _module_path("chunk"),
+    "module.recurrent": _module_path("recurrent"),
+    "op.chunk": _op_path("chunk"),
+    "op.recurrent": _op_path("recurrent"),
+    "ops.chunk_gated_delta_rule": _fla_path("chunk"),
+    "ops.fused_recurrent_gated_delta_rule": _fla_path("recurrent"),
+}
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("path", SECOND_DERIVATIVE_PATHS)
+def test_second_derivative_refused(path, varlen, generator):
+    """A gradient penalty ||dL/dq||^2 with a constant cotangent: the create_graph=True backward
+    raises one line (before: it returned a gradient without a graph, and the penalty's gradient
+    silently lost its second-order terms). A first derivative still matches the oracle."""
+    rec, tensors = gdn_inputs(generator)
+    cu_seqlens = torch.tensor(BOUNDS, dtype=torch.int32) if varlen else None
+    d_o = torch.randn(SHAPE.B, SHAPE.T, SHAPE.HV, SHAPE.V, generator=generator)  # constant: no grad
+    run = SECOND_DERIVATIVE_PATHS[path]
+
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    o, _ = run(leaves, cu_seqlens)
+    with pytest.raises(RuntimeError, match=r"second derivatives are not supported") as refusal:
+        (d_q,) = torch.autograd.grad(o, leaves[0], d_o, create_graph=True)
+        ((o * d_o).sum() + (d_q ** 2).sum()).backward()  # the loss plus its gradient penalty
+    assert "\n" not in str(refusal.value)
+
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    o, _ = run(leaves, cu_seqlens)
+    (d_q,) = torch.autograd.grad(o, leaves[0], d_o)
+    ref_leaves = [t.double().requires_grad_() for t in tensors]
+    ref_o, _ = reference.run(rec, *ref_leaves, cu_seqlens=cu_seqlens)
+    (ref_d_q,) = torch.autograd.grad(ref_o, ref_leaves[0], d_o.double())
+    assert relative_error(d_q, ref_d_q) <= TOL
+
+
+def test_second_derivative_refused_through_layer(generator):
+    """The layer: its short convolution, gated norm and recurrence each refuse create_graph=True."""
+    pytest.importorskip("transformers", minversion="5.24")
+    from lrdsl.layers import GatedDeltaNet
+    from test_layer import tiny_config
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
+    layer = GatedDeltaNet(tiny_config(), layer_idx=0)
+    x = torch.randn(1, 9, 32, generator=generator, requires_grad=True)
+    out = layer(x)
+    with pytest.raises(RuntimeError, match=r"second derivatives are not supported"):
+        (d_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (out.sum() + (d_x ** 2).sum()).backward()
+    kernels = pytest.importorskip("lrdsl.layers.kernels").layer_kernels()
+    rows = torch.randn(5, 24, generator=generator, requires_grad=True)
+    normed = kernels.gated_rms_norm(rows, torch.randn(5, 24, generator=generator), torch.ones(24))
+    with pytest.raises(RuntimeError, match=r"gated_rms_norm: second derivatives are not supported"):
+        torch.autograd.grad(normed, rows, torch.randn(5, 24, generator=generator), create_graph=True)
+    conv_in = torch.randn(1, 9, 8, generator=generator, requires_grad=True)
+    conv_out, _ = kernels.short_conv(conv_in, torch.randn(8, 4, generator=generator))
+    with pytest.raises(RuntimeError, match=r"short_conv: second derivatives are not supported"):
+        torch.autograd.grad(conv_out, conv_in, torch.randn(1, 9, 8, generator=generator), create_graph=True)
+
+
+# -- item 3: inference mode and no_grad at every entry point ----------------------------------------
+
+GRAD_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+
+
+def _varlen(mod, q, cu, how):
+    """chunk()'s varlen arguments: cu_seqlens alone, with prepare_varlen, or counted on a host copy
+    at chunk()'s own chunk size (which it may then count again at a smaller one for its scan)."""
+    if how == "cu_seqlens":
+        return dict(cu_seqlens=cu)
+    if how == "prepare_varlen":
+        return dict(cu_seqlens=cu, chunk_size=16, chunk_indices=mod.prepare_varlen(cu, 16))
+    size = mod._default_chunk_size("chunk", q, SHAPE.K, "input", mod.DEFAULT_CHUNK_PLAN)
+    return dict(cu_seqlens=cu, chunk_indices=mod.prepare_varlen(cu, size, cu_seqlens_cpu=cu.cpu().clone()))
+
+
+@pytest.mark.parametrize("mode", GRAD_MODES)
+@pytest.mark.parametrize("call", ["chunk", "chunk:cu_seqlens", "chunk:prepare_varlen", "chunk:host_copy",
+                                  "recurrent", "recurrent:cu_seqlens"])
+def test_module_calls_without_gradients(call, mode, generator):
+    """chunk() and recurrent(), dense and packed, on tensors made inside the mode (inference
+    tensors have no version counter: before, every varlen chunk() raised on cu_seqlens._version)."""
+    kernel, _, how = call.partition(":")
+    rec, tensors = gdn_inputs(generator)
+    mod = module("gdn")
+    h0 = torch.randn(len(BOUNDS) - 1 if how else SHAPE.B, SHAPE.HV, SHAPE.K, SHAPE.V, generator=generator)
+    with GRAD_MODES[mode]():
+        inside = [t.clone() for t in tensors]
+        cu = torch.tensor(BOUNDS, dtype=torch.int32) if how else None
+        varlen = _varlen(mod, inside[0], cu, how) if kernel == "chunk" and how else dict(cu_seqlens=cu)
+        out = getattr(mod, kernel)(*inside, initial_state=h0.clone(), output_final_state=True, **varlen)
+    check_against_oracle(rec, tensors, out, initial_state=h0, cu_seqlens=torch.tensor(BOUNDS) if how else None)
+
+
+@pytest.mark.parametrize("mode", GRAD_MODES)
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent", "verify"])
+def test_pool_calls_without_gradients(kernel, mode, generator):
+    """The serving functions (prefill into a pool, decode, verify then commit) on inference tensors:
+    o and the pool rows they wrote against the oracle."""
+    rec, tensors = gdn_inputs(generator)
+    mod = module("gdn")
+    bounds, slots = [0, 7, 10, 20], [4, -1, 1]  # the padding slot has 3 tokens, which reach no row
+    pool = torch.randn(6, SHAPE.HV, SHAPE.K, SHAPE.V, generator=generator)
+    with GRAD_MODES[mode]():
+        inside = [t.clone() for t in tensors]
+        cu, state_pool, indices = torch.tensor(bounds, dtype=torch.int32), pool.clone(), torch.tensor(slots)
+        if kernel == "verify":
+            o, draft = mod.verify(*inside, state_pool=state_pool, state_indices=indices, cu_seqlens=cu)
+            mod.commit(draft, torch.tensor([7, 3, 10]))  # every draft token accepted
+        else:
+            options = dict(chunk_size=16, chunk_indices=mod.prepare_varlen(cu, 16)) if kernel == "chunk" else {}
+            o, _ = getattr(mod, kernel)(*inside, state_pool=state_pool, state_indices=indices, cu_seqlens=cu, **options)
+    h0 = pool[[4, 0, 1]]  # the padding slot's row 0 is a placeholder
+    ref_o, ref_ht = reference.run(rec, *tensors, initial_state=h0, output_final_state=True,
+                                  cu_seqlens=torch.tensor(bounds))
+    live = torch.tensor([t < 7 or t >= 10 for t in range(SHAPE.T)])
+    assert relative_error(o[0, live], ref_o[0, live]) <= TOL
+    assert torch.equal(o[0, 7:10], torch.zeros_like(o[0, 7:10])), "the padding slot's outputs are zeros"
+    assert relative_error(state_pool[[4, 1]], ref_ht[[0, 2]]) <= TOL
+    assert torch.equal(state_pool[[0, 2, 3, 5]], pool[[0, 2, 3, 5]]), "rows of no sequence are untouched"
+
+
+@pytest.mark.parametrize("mode", GRAD_MODES)
+@pytest.mark.parametrize("fn", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda"])
+def test_fla_functions_without_gradients(fn, mode, generator):
+    """lrdsl.ops on inference tensors, packed, with FLA's host copy cu_seqlens_cpu where it takes one."""
+    name = "kda" if fn == "chunk_kda" else "gdn"
+    rec = recurrence(name)
+    tensors = make_inputs(rec, SHAPE, dtype=torch.float32, generator=generator)
+    with GRAD_MODES[mode]():
+        q, k, v, g, beta = (t.clone() for t in tensors)
+        cu = torch.tensor(BOUNDS, dtype=torch.int64)
+        host = dict(cu_seqlens_cpu=cu.clone()) if fn != "fused_recurrent_gated_delta_rule" else {}
+        out = getattr(ops, fn)(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, output_final_state=True, **host)
+    check_against_oracle(rec, tensors, out, cu_seqlens=torch.tensor(BOUNDS))
+
+
+@pytest.mark.parametrize("mode", GRAD_MODES)
+def test_layer_without_gradients(mode, generator):
+    """The layer on a padded batch (packed into cu_seqlens inside) and a decode step with a cache,
+    inside the mode, against its float64 oracle."""
+    pytest.importorskip("transformers", minversion="5.24")
+    from lrdsl.layers import GatedDeltaNet, GatedDeltaNetCache
+    from test_layer import double_copy, oracle, tiny_config
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
+    layer = GatedDeltaNet(tiny_config(), layer_idx=0)
+    x = torch.randn(2, 9, 32, generator=generator)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False  # left padding
+    with GRAD_MODES[mode]():
+        padded = layer(x.clone(), attention_mask=mask.clone())
+        cache = GatedDeltaNetCache()
+        prefill = layer(x[:1, :8].clone(), cache=cache)
+        step = layer(x[:1, 8:].clone(), cache=cache)
+    reference_layer = double_copy(layer)
+    with torch.no_grad():
+        whole, _, _ = oracle(reference_layer, x[:1].double())
+        second, _, _ = oracle(reference_layer, x[1:, 3:].double())
+    assert relative_error(torch.cat([prefill, step], 1), whole) <= TOL
+    assert relative_error(padded[1, 3:], second[0]) <= TOL
+    assert relative_error(padded[:1], whole) <= TOL
