@@ -228,3 +228,86 @@ def test_layer_without_gradients(mode, generator):
     assert relative_error(torch.cat([prefill, step], 1), whole) <= TOL
     assert relative_error(padded[1, 3:], second[0]) <= TOL
     assert relative_error(padded[:1], whole) <= TOL
+
+
+# -- item 4: a host copy of cu_seqlens that disagrees with the device one --------------------------
+
+STALE_BOUNDS = [0, 30, 40]  # the device's are [0, 7, 40]: its second sequence has 3 chunks of 16, the copy 1
+
+
+def test_stale_host_copy_refused(generator):
+    """Both on the host: prepare_varlen (and lrdsl.ops through it) compares them and refuses in one
+    line (before: chunk() corrupted the process's memory, `double free or corruption`)."""
+    rec, (q, k, v, g, beta) = gdn_inputs(generator, Shape(1, 40, 1, 1, 16, 16))
+    mod = module("gdn")
+    cu, stale = torch.tensor([0, 7, 40], dtype=torch.int32), torch.tensor(STALE_BOUNDS, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu is not a copy of cu_seqlens: cu_seqlens_cpu\[1\] = 30 "
+                                         r"but cu_seqlens\[1\] = 7$"):
+        mod.prepare_varlen(cu, 16, cu_seqlens_cpu=stale)
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu is not a copy of cu_seqlens"):
+        ops.chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu.long(), cu_seqlens_cpu=stale.long())
+    chunks = mod.prepare_varlen(cu, 16, cu_seqlens_cpu=cu.clone())  # an equal copy is taken
+    out = mod.chunk(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16, chunk_indices=chunks, output_final_state=True)
+    check_against_oracle(rec, (q, k, v, g, beta), out, cu_seqlens=cu)
+
+
+# What a GPU call with a stale host copy runs (there the copies cannot be compared without a
+# synchronisation): chunk tables counted on the copy, the sequences read from the device tensor.
+# Run in a child process: before, this corrupted the memory of the process that ran it.
+STALE_TABLE_SCRIPT = """
+import sys, torch
+from lrdsl import config
+config.use_interpreter_without_gpu()
+import lrdsl
+mod = lrdsl.load(sys.argv[1])
+device = sys.argv[2]
+torch.manual_seed(int(sys.argv[3]))
+T, H, K = 40, 1, 16
+q, k, v = (torch.randn(1, T, H, K, device=device) for _ in range(3))
+g = -torch.rand(1, T, H, device=device)
+beta = torch.rand(1, T, H, device=device)
+cu = torch.tensor([0, 7, 40], dtype=torch.int32, device=device)
+
+
+def prepare_without_comparing(cu_seqlens, chunk_size=64, cu_seqlens_cpu=None):
+    # prepare_varlen as on a GPU, where comparing the copies would cost a synchronisation
+    indices, offsets, tokens = mod._count_chunks(cu_seqlens_cpu, chunk_size)
+    return mod.VarlenChunks(indices.to(device), offsets.to(device), chunk_size, tokens, cu_seqlens, cu_seqlens_cpu)
+
+
+mod.prepare_varlen = prepare_without_comparing  # chunk() counts its other chunk sizes through it
+for stale in ([0, 30, 40], [0, 1, 40], [0, 39, 40], [0, 0, 40]):
+    stale = torch.tensor(stale, dtype=torch.int32)
+    # at a given chunk size, and at chunk()'s own (which it may count again at other sizes)
+    for size in (16, 32, None):
+        chunk_size = size or mod._default_chunk_size("chunk", q, K, "input", mod.DEFAULT_CHUNK_PLAN)
+        chunks = prepare_without_comparing(cu, chunk_size, stale)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        o, ht = mod.chunk(*leaves, cu_seqlens=cu, chunk_size=size, chunk_indices=chunks, output_final_state=True)
+        (o.sum() + ht.sum()).backward()
+        with torch.no_grad():
+            mod.chunk(q, k, v, g, beta, cu_seqlens=cu, chunk_size=size, chunk_indices=chunks, output_final_state=True)
+if device == "cuda":
+    torch.cuda.synchronize()
+print("no corruption")
+"""
+
+
+def run_stale_tables(device, generator):
+    seed = int(torch.randint(0, 2**31, (1,), generator=generator))
+    result = subprocess.run([sys.executable, "-c", STALE_TABLE_SCRIPT, str(ROOT / "specs" / "gdn.toml"), device, str(seed)],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "no corruption" in result.stdout, \
+        f"exit {result.returncode}: {result.stderr.strip().splitlines()[-1:] if result.stderr.strip() else ''}"
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's run of the kernels")
+def test_stale_chunk_table_stays_in_bounds(generator):
+    """Chunk tables that disagree with cu_seqlens (more chunks on the device than in the table, or
+    fewer), forward and backward: the kernels stay inside their tensors."""
+    run_stale_tables("cpu", generator)
+
+
+@pytest.mark.gpu
+def test_stale_chunk_table_stays_in_bounds_gpu(generator):
+    run_stale_tables("cuda", generator)
