@@ -311,3 +311,63 @@ def test_stale_chunk_table_stays_in_bounds(generator):
 @pytest.mark.gpu
 def test_stale_chunk_table_stays_in_bounds_gpu(generator):
     run_stale_tables("cuda", generator)
+
+
+# -- item 6: input names that are sympy's own, and non-ASCII names ---------------------------------
+
+SHADOWING_SPEC = """
+name = "gdn_shadowing"
+
+[recurrence]
+update = "delta"
+gate = "scalar"
+
+[inputs]
+Float = "token"
+Integer = "token"
+Rational = "head"
+Symbol = "head"
+
+[formulas]
+log_decay = "-exp(Rational) * softplus(Float + Symbol + 0.5) - 1e-3"
+beta = "2 * sigmoid(Integer) / 3"
+"""
+
+
+def test_inputs_named_like_sympy_internals(tmp_path, generator):
+    """Inputs named Float, Integer, Rational, Symbol in formulas with literals compile, and chunk()
+    matches the oracle (before: every formula with a literal failed, `cannot parse formula ...:
+    TypeError`)."""
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec
+    import lrdsl
+
+    path = tmp_path / "gdn_shadowing.toml"
+    path.write_text(SHADOWING_SPEC)
+    rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
+    tensors = make_inputs(rec, SHAPE, dtype=torch.float32, generator=generator)
+    out = lrdsl.load(path).chunk(*tensors, output_final_state=True)
+    check_against_oracle(rec, tensors, out)
+
+
+def test_undeclared_sympy_name_in_formula(tmp_path):
+    from lrdsl.errors import SpecError
+    from lrdsl.spec import load_spec
+
+    path = tmp_path / "s.toml"
+    path.write_text(SHADOWING_SPEC.replace('beta = "2 * sigmoid(Integer) / 3"', 'beta = "sigmoid(Function) + 1"'))
+    with pytest.raises(SpecError, match=r"s.toml:\d+: formulas.beta: .*undeclared name 'Function'"):
+        load_spec(path)
+
+
+def test_non_ascii_input_name_says_what_is_allowed(tmp_path):
+    """λ is a Python identifier, refused as one before; now the line says what a name may hold."""
+    from lrdsl.errors import SpecError
+    from lrdsl.spec import load_spec
+
+    path = tmp_path / "s.toml"
+    path.write_text(SHADOWING_SPEC.replace('Symbol = "head"', '"λ" = "head"').replace("Symbol", "λ"))
+    with pytest.raises(SpecError) as error:
+        load_spec(path)
+    assert str(error.value) == (f"{path}:12: inputs.λ: an input name must be ASCII letters, digits and '_', "
+                                "not starting with a digit, got 'λ'")
