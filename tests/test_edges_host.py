@@ -371,3 +371,29 @@ def test_non_ascii_input_name_says_what_is_allowed(tmp_path):
         load_spec(path)
     assert str(error.value) == (f"{path}:12: inputs.λ: an input name must be ASCII letters, digits and '_', "
                                 "not starting with a digit, got 'λ'")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", GRAD_MODES)
+def test_calls_without_gradients_do_not_synchronise_gpu(mode, generator):
+    """Inside inference_mode / no_grad, a packed chunk() with chunks counted on the host copy, a
+    pool decode without validation and lrdsl.ops with cu_seqlens_cpu synchronise with nothing."""
+    rec, tensors = gdn_inputs(generator)
+    mod = module("gdn")
+    cu_cpu = torch.tensor(BOUNDS, dtype=torch.int32)
+    pool = torch.randn(4, SHAPE.HV, SHAPE.K, SHAPE.V, generator=generator).cuda()
+    with GRAD_MODES[mode]():
+        inside = [t.cuda() for t in tensors]
+        cu = cu_cpu.cuda()
+        indices = torch.tensor([2, -1, 0], device="cuda")
+        decode = [t[0, :3].unsqueeze(1).contiguous() for t in inside]  # 3 sequences of one token
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            chunks = mod.prepare_varlen(cu, 32, cu_seqlens_cpu=cu_cpu)
+            out = mod.chunk(*inside, cu_seqlens=cu, chunk_indices=chunks, output_final_state=True)
+            mod.recurrent(*decode, state_pool=pool, state_indices=indices, validate=False)
+            ops.chunk_gated_delta_rule(*inside, cu_seqlens=cu.long(), cu_seqlens_cpu=cu_cpu.long())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    check_against_oracle(rec, tensors, [x.cpu() for x in out], cu_seqlens=cu_cpu)
