@@ -35,7 +35,7 @@ def generate(path, **options) -> tuple[str, dict]:
     """Run the pipeline on the spec at `path` (or a shipped spec's name) and emit the module source.
     Returns (source, stages)."""
     _check_options(options)
-    stages = run_pipeline(load_spec(resolve_spec(path)))
+    stages = run_pipeline(load_spec(resolve_spec(path)), check=config.verify_ir())
     return emit_module(stages, spec_path=str(path)), stages
 
 
@@ -54,7 +54,7 @@ def load(path, **options):
     if source is None:
         if damage is not None:
             cache.warn(f"cache entry {file} is {damage}; regenerating it")
-        source = emit_module(run_pipeline(spec), spec_path=str(path))
+        source = emit_module(run_pipeline(spec, check=config.verify_ir()), spec_path=str(path))
         file = cache.store_entry(file_name, source)
     dump = config.dump_dir()
     if dump is not None:  # on a hit too: the user asked to see every module lrdsl loads
