@@ -51,5 +51,10 @@ def module_hash(name: str) -> str:
 
 
 def test_module_hashes(golden):
-    """Every shipped spec's generated module, byte for byte (`sha256sum` format: hash, two spaces, spec)."""
-    golden("module_hashes.txt", "".join(f"{module_hash(n)}  {n}\n" for n in shipped_spec_names()))
+    """Every shipped spec's generated module, and the layer kernels' module (its default
+    activations), byte for byte (`sha256sum` format: hash, two spaces, name)."""
+    from lrdsl.codegen.layer_kernels import emit_layer_kernels
+
+    layer = hashlib.sha256(emit_layer_kernels().encode()).hexdigest()
+    text = "".join(f"{module_hash(n)}  {n}\n" for n in shipped_spec_names()) + f"{layer}  layer_kernels\n"
+    golden("module_hashes.txt", text)

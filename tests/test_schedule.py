@@ -193,10 +193,10 @@ def test_inputs_loaded_ahead_of_a_v_loop_count_through_it(monkeypatch):
 def test_backward_chunk_size_follows_register_pressure(name, expected):
     """The largest chunk size whose backward kernels fit their registers (within the tolerance):
     the gated and delta specs' output kernel overflows at 64, linear attention's does not."""
-    from lrdsl.codegen.launch import backward_chunk_sizes, largest_chunk_sizes
+    from lrdsl.codegen.launch import backward_chunk_sizes
 
     item, _, _ = _contexts(name)
-    sizes = backward_chunk_sizes(item.backward, largest_chunk_sizes(item))
+    sizes = backward_chunk_sizes(item)
     assert sizes["input"] == expected
     assert sizes["tf32"] <= min(expected, 32)
     assert module(name).BACKWARD_CHUNK_SIZE == sizes
@@ -209,10 +209,10 @@ def test_forward_chunk_size_follows_register_pressure(name, expected, monkeypatc
     registers (within the forward's tolerance): kda's apply and gla's output kernels overflow at
     64, the scalar-gated specs' do not; rwkv7 is capped by its largest chunk size (32). chunk()
     without chunk_size runs at it."""
-    from lrdsl.codegen.launch import forward_chunk_sizes, largest_chunk_sizes
+    from lrdsl.codegen.launch import forward_chunk_sizes
 
     item, _, _ = _contexts(name)
-    sizes = forward_chunk_sizes(item.forward, largest_chunk_sizes(item))
+    sizes = forward_chunk_sizes(item)
     mod = module(name)
     assert mod.FORWARD_CHUNK_SIZE == sizes
     assert {sizes[plan, "input"] for plan in mod.CHUNK_PLANS} == {expected}

@@ -1,12 +1,16 @@
 """The jinja2 environment of all kernel and module templates (StrictUndefined: a missing hook is an error)."""
 from __future__ import annotations
 
+import ast
+import re
 from functools import lru_cache
 from pathlib import Path
 
 import jinja2
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
+HOST_DIR = Path(__file__).parent / "host"
+_SIBLING_IMPORT = re.compile(r"from \.\w* import [\w, ]+\n")
 
 
 @lru_cache(maxsize=1)
@@ -28,3 +32,16 @@ def render(template: str, **hooks) -> str:
 def indent(lines: list[str], spaces: int) -> str:
     pad = " " * spaces
     return "\n".join(pad + line if line else "" for line in lines)
+
+
+@lru_cache(maxsize=None)
+def host_code(module: str) -> str:
+    """The code of host module `module` (lrdsl/codegen/host/<module>.py) as a generated module
+    carries it: the file after its docstring, without the imports of sibling host modules (one
+    namespace there) and the blank lines that follow them, ending in one newline."""
+    text = (HOST_DIR / f"{module}.py").read_text(encoding="utf-8")
+    docstring = ast.parse(text).body[0]
+    if not (isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)):
+        raise ValueError(f"host module {module} has no docstring")
+    body = "".join(text.splitlines(keepends=True)[docstring.end_lineno:])
+    return _SIBLING_IMPORT.sub("", body).lstrip("\n")

@@ -1,0 +1,73 @@
+"""Host code kept as real Python modules (lrdsl/codegen/host/): imported here like any module,
+and copied verbatim into the generated modules, which import torch and triton only."""
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from lrdsl.codegen.host.launch_rule import SMALLEST_DOT_TILE, resolve_launch
+from lrdsl.codegen.templating import HOST_DIR, host_code
+from lrdsl.runtime.loader import generate
+
+from helpers import spec_path
+
+HOST_MODULES = sorted(p.stem for p in HOST_DIR.glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("name", HOST_MODULES)
+def test_host_modules_import_only_what_a_generated_module_has(name):
+    """torch, triton and each other (the sibling imports are dropped when copied: one namespace)."""
+    for node in ast.walk(ast.parse((HOST_DIR / f"{name}.py").read_text())):
+        if isinstance(node, ast.Import):
+            assert all(a.name.split(".")[0] in ("torch", "triton") for a in node.names), ast.unparse(node)
+        elif isinstance(node, ast.ImportFrom):
+            sibling = node.level == 1 and node.module in HOST_MODULES
+            assert sibling or (node.level == 0 and node.module.split(".")[0] in ("torch", "triton")), ast.unparse(node)
+            assert "from ." not in host_code(name)
+
+
+@pytest.mark.parametrize("spec", ["gdn", "linear_attn"])
+def test_generated_modules_carry_the_host_code_verbatim(spec):
+    source, _ = generate(spec_path(spec))
+    for name in HOST_MODULES:
+        assert host_code(name).rstrip("\n") in source, name
+
+
+TABLES = {
+    "launch": {"scan": {"BV": 64, "num_warps": 4, "num_stages": 2}, "output": {"BV": 64, "num_warps": 4, "num_stages": 3}},
+    "launch_fp32": {"output": {"BV": 32}},
+    "launch_wide": {"output": {"BV": 16, "num_warps": 8}},
+    "launch_wide_inputs": {"output": {"num_stages": 1}},
+    "launch_small_chunk": {"output": {"BV": 128, "num_warps": 2}, "scan": {"num_stages": 3}},
+    "launch_grouped_small_chunk": {"output": {"num_warps": 16}},
+    "launch_few_programs": {"scan": {"BV": 32, "num_stages": 4}},
+    "launch_fewer_programs": {"scan": {"BV": 16}},
+}
+PLAIN = dict(precision="input", wide_k=False, wide_inputs=False, small_chunk=False, grouped=False, V=128)
+
+
+def launch(role, **facts):
+    return resolve_launch(TABLES, role, **{**PLAIN, **facts})
+
+
+def test_the_launch_rule_overlays_its_tables_in_order():
+    assert launch("output") == {"BV": 64, "num_warps": 4, "num_stages": 3}
+    # fp32 operands first, then wide keys, then wide inputs: one of them, never two
+    assert launch("output", precision="tf32", wide_k=True, small_chunk=True)["BV"] == 32
+    assert launch("output", wide_k=True, wide_inputs=True) == {"BV": 16, "num_warps": 8, "num_stages": 3}
+    assert launch("output", wide_inputs=True, small_chunk=True) == {"BV": 64, "num_warps": 4, "num_stages": 1}
+    # the small-chunk settings, and the grouped ones over them
+    assert launch("output", small_chunk=True) == {"BV": 128, "num_warps": 2, "num_stages": 3}
+    assert launch("output", small_chunk=True, grouped=True)["num_warps"] == 16
+    assert launch("output", grouped=True) == launch("output")
+    # a scan's programs decide, at the value block the tables before gave it
+    programs = lambda BV: 4 * 128 // BV  # noqa: E731
+    assert launch("scan", scan_programs=programs, multiprocessors=8) == {"BV": 64, "num_warps": 4, "num_stages": 2}
+    assert launch("scan", scan_programs=programs, multiprocessors=9, small_chunk=True) == {"BV": 32, "num_warps": 4, "num_stages": 4}
+    assert launch("scan", scan_programs=programs, multiprocessors=40)["BV"] == 16
+    assert launch("scan", scan_programs=None, multiprocessors=40)["BV"] == 64  # in segments: many programs
+    # a caller's settings last, then the value block clamped to the tile sizes a matmul takes
+    assert launch("output", small_chunk=True, replaced={"num_warps": 1}) == {"BV": 128, "num_warps": 1, "num_stages": 3}
+    assert launch("output", small_chunk=True, V=40)["BV"] == 64
+    assert launch("output", wide_k=True, V=8)["BV"] == SMALLEST_DOT_TILE
