@@ -4,8 +4,18 @@
     lrdsl show SPEC --stage NAME      print one compiler stage (recurrence, step, module, ...)
     lrdsl check SPEC                  run the generated kernels against the float64 oracle
     lrdsl demo [SPEC]                 the main job: compile, run, print errors and times
+    lrdsl cache info | prune | clear  the module cache: what it holds; remove what this lrdsl
+                                      never serves; remove everything
 
-Any user error prints one line `lrdsl: error: ...` and exits with status 2; a failed check exits 1.
+Every failure is one line on stderr, and the exit status says which kind it was:
+
+    0    done (a check: every kernel within tolerance)
+    1    a check failed: a kernel outside tolerance (bench: a row failed the oracle gate)
+    2    a user error: a bad spec, option or shape (`lrdsl: error: ...`)
+    73   an output cannot be written: no permission, a read-only or full file system, a missing
+         directory, a parent that is a file (`lrdsl: error: cannot write ...`; nothing half-written)
+    130  interrupted (Ctrl-C)
+    141  stdout was closed (`lrdsl show ... | head`)
 """
 from __future__ import annotations
 
@@ -17,7 +27,12 @@ import time
 from pathlib import Path
 
 from . import config
-from .errors import LrdslError
+from .errors import LrdslError, OutputError
+
+EXIT_CHECK_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_CANNOT_WRITE = 73  # sysexits.h's EX_CANTCREAT
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 SHAPE_FIELDS = ("B", "T", "H", "HV", "K", "V")
@@ -51,17 +66,27 @@ def _parse_chunk_sizes(text: str) -> list:
     return sizes
 
 
-def cmd_compile(args) -> int:
+def write_output(path: Path, text: str) -> None:
+    """Write a file the user asked for, whole or not at all (a temporary file renamed into place);
+    any reason it cannot be written is one OutputError line naming the file."""
     from .runtime.cache import atomic_write
+
+    try:
+        atomic_write(path, text)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path} ({exc.strerror or type(exc).__name__})") from None
+
+
+def cmd_compile(args) -> int:
     from .runtime.loader import generate
 
     source, _ = generate(args.spec)
     out = Path(args.output)
     if out.exists() and out.is_dir():
-        raise LrdslError(f"{out}: is a directory, expected a file path for the module")
+        raise OutputError(f"{out}: is a directory, expected a file path for the module")
     if not out.parent.exists():
-        raise LrdslError(f"{out.parent}: directory does not exist")
-    atomic_write(out, source)
+        raise OutputError(f"{out.parent}: directory does not exist")
+    write_output(out, source)
     print(f"wrote {out} ({len(source.splitlines())} lines)")
     return 0
 
@@ -182,12 +207,11 @@ def cmd_demo(args) -> int:
     interpreted = config.use_interpreter_without_gpu()  # before anything imports triton
     import torch
 
-    from .runtime.cache import atomic_write
     from .runtime.loader import generate, import_file
 
     source, stages = generate(args.spec)
     out = Path(args.output_dir) / f"{stages['recurrence'].name}_ops.py"
-    atomic_write(out, source)
+    write_output(out, source)
     print(f"compiled {args.spec} -> {out} ({len(source.splitlines())} lines)")
     module = import_file(out, f"lrdsl_demo_{stages['recurrence'].name}")
     default = "2,40,2,4,32,48" if interpreted else "4,2048,16,32,128,128"
@@ -244,7 +268,7 @@ def _bench_report(rows, args, print_rows: bool) -> int:
     print()
     print(format_summary(rows))
     if args.json:
-        Path(args.json).write_text(to_json(rows))
+        write_output(Path(args.json), to_json(rows))
         print(f"wrote {args.json}")
     if args.plot:
         plot_ratios(rows, args.plot)
@@ -331,6 +355,41 @@ def _installed_version(distribution: str) -> str:
         return "absent"
 
 
+def _size(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    if size < 1024**2:
+        return f"{size / 1024:.1f} KiB"
+    return f"{size / 1024**2:.1f} MiB"
+
+
+def _summary(files) -> str:
+    return f"{len(files)} file{'s' if len(files) != 1 else ''}, {_size(sum(f.size for f in files))}"
+
+
+def cmd_cache(args) -> int:
+    from .runtime import cache
+
+    directory = config.cache_dir()
+    if args.action == "info":
+        files = cache.survey(directory)
+        print(f"module cache {directory}" + ("" if directory.is_dir() else " (not created yet)"))
+        width = max((len(f.path.name) for f in files), default=0)
+        for file in files:
+            why = f": {file.why}" if file.why else ""
+            print(f"  {file.path.name:<{width}}  {_size(file.size):>10}  {file.state}{why}")
+        entries = [f for f in files if f.is_entry]
+        prunable = [f for f in files if f.state in cache.PRUNED]
+        print(f"entries: {_summary(entries)}; served by this lrdsl: "
+              f"{_summary([f for f in entries if f.state == cache.SERVED])}")
+        print(f"stale (other builds' and damaged entries, temporary files of writers that stopped): "
+              f"{_summary(prunable)}" + ("; `lrdsl cache prune` removes them" if prunable else ""))
+        return 0
+    removed = cache.prune(directory) if args.action == "prune" else cache.clear(directory)
+    print(f"removed {_summary(removed)} from {directory}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lrdsl", description="Compile linear-recurrence specs into Triton kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -359,11 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: prove the chunk form and its backward equal to the recurrence (sympy)")
     p.set_defaults(run=cmd_check)
 
-    p = sub.add_parser("bench", help="time the generated kernels side by side with fla-core (GPU)")
+    p = sub.add_parser("bench", help="time the generated kernels side by side with FLA and FlashQLA (GPU)")
     p.add_argument("specs", nargs="*", metavar="SPEC", help="spec files (or --all)")
     p.add_argument("--all", action="store_true", help="every spec in ./specs with an FLA counterpart")
     p.add_argument("--shapes", default="training",
-                   help="comma-separated: training, family (4 x 4096, H = HV = 16: kda, gla, rwkv7 vs FLA), decode, "
+                   help="comma-separated: training, family (4 x 4096, H = HV = 16: every spec with an FLA counterpart), decode, "
                         "a known shape by BxT (4x4096, 256x1) or BxTxHxHV[xKxV]; T = 1 is decode (default training)")
     p.add_argument("--plans", default=None, help="comma-separated chunk plans (default: the module's default plan)")
     p.add_argument("--chunk-sizes", default=None, metavar="C[,C...]",
@@ -375,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens and verify + commit, eager and as CUDA-graph replays (lrdsl only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG of FLA / lrdsl per shape (needs matplotlib)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG of peer / lrdsl per shape (needs matplotlib)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="instead of measuring: report (and --plot, --json) rows that earlier --json runs wrote")
     p.set_defaults(run=cmd_bench)
@@ -386,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default=None, help="B,T,H,HV,K,V")
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("cache", help="show or trim the module cache (LRDSL_CACHE_DIR)")
+    p.add_argument("action", choices=("info", "prune", "clear"),
+                   help="info: the directory, its entries, their sizes and which are stale; prune: remove "
+                        "entries this lrdsl never serves (other builds', damaged) and temporary files of "
+                        "writers that stopped; clear: remove every entry")
+    p.set_defaults(run=cmd_cache)
     return parser
 
 
@@ -400,15 +466,21 @@ def main(argv=None) -> int:
         # /dev/null so the interpreter's final flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        print("lrdsl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OutputError as exc:
+        print(f"lrdsl: error: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_WRITE
     except LrdslError as exc:
         print(f"lrdsl: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except ValueError as exc:
         # the generated module's InputError (a ValueError) for tensors the user's shape produced
         if type(exc).__name__ != "InputError":
             raise
         print(f"lrdsl: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

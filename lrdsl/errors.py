@@ -1,6 +1,7 @@
 """Errors lrdsl raises on purpose. Each carries one line that names the problem.
 
-The CLI prints `str(error)` and exits non-zero; anything else escaping is a bug in lrdsl.
+The CLI prints `str(error)` and exits non-zero (2; 73 for an OutputError); anything else escaping
+is a bug in lrdsl.
 """
 from __future__ import annotations
 
@@ -26,3 +27,8 @@ class IRError(LrdslError):
 
 class CompileError(LrdslError):
     """The generator cannot emit kernels for this recurrence or these options."""
+
+
+class OutputError(LrdslError):
+    """A file the user asked for cannot be written: no permission, a read-only or full file
+    system, a missing directory or a parent that is a file."""

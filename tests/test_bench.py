@@ -6,9 +6,12 @@ compute what the real ones compute (through the float64 oracle) and record how t
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import os
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from lrdsl.workloads import Shape
 
 from conftest import HAS_GPU, ROOT
 from helpers import module, recurrence
-from test_cli import assert_one_line_error, run
+from test_cli import _script_module, assert_one_line_error, run
 
 TINY_TRAINING = Shape(2, 20, 1, 2, 16, 16)
 TINY_DECODE = Shape(2, 1, 1, 2, 16, 16)
@@ -45,6 +48,9 @@ class FakeFla:
                                    allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
                                    cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, **kwargs):
             record("chunk_gated_delta_rule", locals())
+            # fla-core 0.6.0 reads the in-kernel gate's keywords out of **kwargs
+            g, beta = _in_kernel_gate(g, beta, kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"),
+                                      kwargs.get("dt_bias"), use_beta_sigmoid_in_kernel)
             return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
         def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
@@ -55,6 +61,7 @@ class FakeFla:
             record("fused_recurrent_gated_delta_rule", locals())
             if gk is not None or gv is not None:
                 raise ValueError("this fake has no key- or value-channel gates (gk, gv)")
+            g, beta = _in_kernel_gate(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
             return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
         def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
@@ -138,6 +145,15 @@ class FakeFla:
         return self.modules[name]
 
 
+def _in_kernel_gate(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+    """FLA's in-kernel forms (its docstring): g = -exp(A_log) softplus(g + dt_bias), beta = sigmoid(beta)."""
+    if use_gate_in_kernel:
+        g = -A_log.double().exp() * torch.nn.functional.softplus(g.double() + dt_bias.double())
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.double().sigmoid()
+    return g, beta
+
+
 def _as_fla(rec, q, k, v, extras, scale, initial_state, output_final_state, l2norm):
     """What an FLA function returns: o in v's dtype, an fp32 final state (or None)."""
     o, final_state = reference.run(rec, q, k, v, *extras, scale=scale, initial_state=initial_state,
@@ -159,7 +175,21 @@ def tiny_call(rec, shape, generator, l2norm=True, dtype=torch.float32):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gdn", "deltanet", "simple_gla", "kda", "gla", "rwkv7"])
+# Each spec input's FLA parameter (fused_recurrent_gla names its key-channel gate gk; RWKV-7's
+# functions take w, and a, b for the low rank; gdn_qwen35's raw projections go to g and beta with
+# the in-kernel gate and beta switched on)
+EXPECTED_PARAMETERS = {
+    "gdn": {"g": "g", "beta": "beta"},
+    "gdn_qwen35": {"a": "g", "b": "beta", "A_log": "A_log", "dt_bias": "dt_bias"},
+    "deltanet": {"beta": "beta"},
+    "simple_gla": {"g": "g"},
+    "kda": {"g": "g", "beta": "beta"},
+    "gla": {"g": "g"},
+    "rwkv7": {"w": "w", "a": "a", "b": "b"},
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))
 @pytest.mark.parametrize("decode", [False, True], ids=["chunk", "recurrent"])
 def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decode, fake_fla, generator):
     rec = recurrence(name)
@@ -179,18 +209,21 @@ def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decod
     q, k, v, *extras = call.tensors
     query = "r" if name == "rwkv7" else "q"  # RWKV-7's functions call q r
     assert arguments[query] is q and arguments["k"] is k and arguments["v"] is v
-    by_role = {bench.input_role(rec, i.name): x for i, x in zip(rec.inputs, extras)}
-    # fused_recurrent_gla names its key-channel gate gk; RWKV-7's are w, and a, b for its low rank
-    expected_parameter = {"gate": "gk" if called == "fused_recurrent_gla" else "w" if name == "rwkv7" else "g",
-                          "beta": "beta", "read": "a", "write": "b"}
-    for role, tensor in by_role.items():
-        assert arguments[expected_parameter[role]] is tensor, f"{role} not passed as {expected_parameter[role]}"
+    expected = dict(EXPECTED_PARAMETERS[name])
+    if called == "fused_recurrent_gla":
+        expected["g"] = "gk"
+    passed = {**arguments, **arguments.get("kwargs", {})}
+    for inp, tensor in zip(rec.inputs, extras):
+        assert passed[expected[inp.name]] is tensor, f"{inp.name} not passed as {expected[inp.name]}"
     if "gk" in arguments and called != "fused_recurrent_gla":  # beta must not land in gk (5th parameter)
         assert arguments["gk"] is None and arguments["gv"] is None
     assert arguments["initial_state"] is call.initial_state and arguments["output_final_state"] is True
     assert arguments["scale"] == call.scale
     assert arguments["use_qk_l2norm_in_kernel"] is l2norm if "use_qk_l2norm_in_kernel" in arguments else not l2norm
-    assert arguments.get("kwargs", {}) == {}  # nothing fell into **kwargs
+    in_kernel = name == "gdn_qwen35"
+    assert passed.get("use_gate_in_kernel", False) is in_kernel and passed.get("use_beta_sigmoid_in_kernel", False) is in_kernel
+    # nothing fell into **kwargs but what fla-core 0.6.0's chunk_gated_delta_rule reads from there
+    assert set(arguments.get("kwargs", {})) == ({"use_gate_in_kernel", "A_log", "dt_bias"} if in_kernel and not decode else set())
 
     ref_o, ref_state = reference.run(rec, *call.tensors, scale=call.scale, initial_state=call.initial_state,
                                      output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
@@ -214,16 +247,38 @@ def test_an_fla_function_without_a_needed_parameter_is_a_failed_row_not_a_silent
     oracle = bench.oracle_outputs(rec, call, ["q", "k", "v", "g", "beta"], gradients=False)
     rows = bench.run_group("gdn", rec, [contender], call, shape, bench.FORWARD, oracle, bench.measure_once,
                            (1, 6), 2e-3)
-    assert [(r.status, r.reason, r.ms, r.ratio) for r in rows] == [("FAILED", contender.problem, None, None)]
+    assert [(r.status, r.reason, r.ms, r.ratios) for r in rows] == [("FAILED", contender.problem, None, {})]
 
 
 def test_specs_without_an_fla_counterpart_are_recognised():
-    assert bench.fla_baseline(recurrence("gdn_qwen35")) is None  # its inputs pass through formulas
     assert bench.fla_baseline(recurrence("linear_attn")) is None
     assert bench.fla_baseline(recurrence("kda_neg_eigval")) is None  # beta = 2 sigmoid(b): FLA takes beta
     assert bench.fla_baseline(recurrence("kda_fused_gate")) is None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), FakeFla().importer) is not None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), _no_fla) is None
+
+
+def test_gdn_qwen35_is_fla_gated_delta_rule_with_its_gate_and_beta_in_kernel():
+    """gdn_qwen35's formulas are FLA's in-kernel ones with its inputs renamed (a -> g, b -> beta,
+    the per-head A_log and dt_bias to theirs); a spec whose formulas differ is not matched, and
+    one that swaps A_log and dt_bias in its formula is matched with them swapped (by position in
+    the formula, never by name)."""
+    import sympy
+
+    rec = recurrence("gdn_qwen35")
+    baseline = bench.fla_baseline(rec)
+    assert (baseline.chunk.name, baseline.recurrent.name) == ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+    assert bench.input_parameters(rec, baseline.chunk) == EXPECTED_PARAMETERS["gdn_qwen35"]
+    assert baseline.chunk.options == {"use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    assert baseline.direct == ()  # FlashQLA takes the decay and beta themselves
+    a, b, A_log, dt_bias = sympy.symbols("a b A_log dt_bias")
+    from lrdsl.ir.formula import sigmoid, softplus
+
+    swapped = replace(rec, log_decay=-sympy.exp(dt_bias) * softplus(a + A_log))
+    assert bench.input_parameters(swapped, baseline.chunk) == {"a": "g", "b": "beta", "A_log": "dt_bias", "dt_bias": "A_log"}
+    for other in (replace(rec, beta=2 * sigmoid(b)), replace(rec, log_decay=-sympy.exp(A_log) * softplus(a)),
+                  replace(rec, log_decay=-sympy.exp(A_log) * softplus(a + dt_bias) * 0.5)):
+        assert bench.fla_baseline(other) is None, other
 
 
 def _no_fla(name):
@@ -236,25 +291,37 @@ def _no_fla(name):
 
 
 class _Backend:
-    def __init__(self, backend_type, priority, accepts, available=True):
+    """A backend as fla-core 0.6.0's dispatcher sees one; its switches are read at every call
+    (BaseBackend.is_enabled: FLA_<BACKEND_TYPE> switches it on whatever env_var says)."""
+
+    def __init__(self, backend_type, priority, accepts, available=True, env_var=None, implementation=None):
+        """accepts: True, False, or a function of the call's keywords (its verifier)."""
         self.backend_type, self.priority, self.accepts, self.available = backend_type, priority, accepts, available
+        self.env_var, self.implementation = env_var, implementation
         self.verified_with = None
 
     def is_available(self):
         return self.available
 
     def is_enabled(self):
-        return True
+        if self.env_var is None:
+            return True
+        if os.environ.get(f"FLA_{self.backend_type.upper()}", "0") != "0":
+            return True
+        return os.environ.get(self.env_var, "1") != "0"
 
     def get_implementation(self, function_name):
         return getattr(self, function_name, None)
 
     def verify(self, function_name, **keywords):
         self.verified_with = keywords
-        return self.accepts, None if self.accepts else "refused"
+        accepted = self.accepts(**keywords) if callable(self.accepts) else self.accepts
+        return accepted, None if accepted else "refused"
 
     def chunk_gated_delta_rule(self, **keywords):
-        raise AssertionError("the path is found without running anything")
+        if self.implementation is None:
+            raise AssertionError("the path is found without running anything")
+        return self.implementation(**keywords)
 
 
 def _fake_backends(*backends):
@@ -281,6 +348,210 @@ def test_dispatch_path_asks_fla_registry_as_its_dispatcher_does(accepts, availab
     assert bench.fla_dispatch_path(fla_chunk, keywords, importer) == expected
     if available:
         assert flash_qla.verified_with["beta"] is keywords["beta"]  # the verifier saw the real call's arguments
+
+
+def _registries(importer_modules, *backends):
+    """A fake fla.backends holding `backends` for the gated_delta_rule operation."""
+    backends_module, registry, other = _fake_backends(*backends)
+    backends_module._DISPATCH_DISABLED = False
+    backends_module._function_registries = {}
+    backends_module._operation_registries = {"gated_delta_rule": registry, "delta_rule": other}
+    return {**importer_modules, "fla.backends": backends_module}
+
+
+def test_an_fla_that_ignores_the_in_kernel_gate_keywords_fails_the_gate():
+    """chunk_gated_delta_rule's in-kernel gate keywords pass through its **kwargs: an FLA that
+    dropped them would take a and b for the decay and beta themselves. The oracle gate fails that
+    row (no ratio) instead of timing another recurrence."""
+    rec = recurrence("gdn_qwen35")
+    gdn = recurrence("gdn")
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, **kwargs):
+        return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = chunk_gated_delta_rule
+    module.fused_recurrent_gated_delta_rule = FakeFla().modules["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule
+    importer = {"fla.ops.gated_delta_rule": module}.get
+    rows = bench.bench([bench.SpecUnderTest("gdn_qwen35", rec, _oracle_module(rec))], [Shape(1, 6, 1, 2, 8, 8)],
+                       device="cpu", dtype=torch.float32, seed=int(torch.seed() % 2**31),
+                       importer=lambda name: importer(name) or _no_fla(name))
+    fla_row, ours = rows
+    assert fla_row.impl == "fla-triton" and not fla_row.ok and "differs from the float64 oracle" in fla_row.reason
+    assert ours.ok and ours.ratios == {}
+
+
+def test_triton_switches_turn_off_each_backend_fla_would_pick_and_restore_the_environment(fake_fla, generator,
+                                                                                        monkeypatch):
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    monkeypatch.setenv("FLA_OTHER", "1")  # FLA_<TYPE> = 1 switches a backend on over its own variable
+    rec = recurrence("gdn")
+    baseline = bench.fla_baseline(rec)
+    fla_chunk, _ = bench.resolve_fla(baseline, fake_fla.importer)
+    flash_qla = _Backend("flash_qla", 3, True, env_var="FLA_FLASH_QLA")
+    other = _Backend("other", 4, True, env_var="OTHER_SWITCH")
+    importer = _registries(fake_fla.modules, flash_qla, other).__getitem__
+    keywords = bench.fla_keywords(rec, baseline.chunk, tiny_call(rec, TINY_TRAINING, generator))
+
+    switches = bench.triton_switches(fla_chunk, keywords, importer)
+
+    assert switches == {"FLA_FLASH_QLA": "0", "OTHER_SWITCH": "0", "FLA_OTHER": "0"}
+    assert bench.fla_dispatch_path(fla_chunk, keywords, importer) == "flashqla"
+    with bench.environment(switches):
+        assert bench.fla_dispatch_path(fla_chunk, keywords, importer) == "fla-triton"
+    assert "FLA_FLASH_QLA" not in os.environ and os.environ["FLA_OTHER"] == "1" and "OTHER_SWITCH" not in os.environ
+    stuck = _Backend("ascend", 0, True)  # no environment variable switches it off
+    with pytest.raises(LrdslError, match="picks its ascend backend for chunk_gated_delta_rule, which no environment"):
+        bench.triton_switches(fla_chunk, keywords, _registries(fake_fla.modules, stuck).__getitem__)
+
+
+class FakeFlashQla:
+    """A module flash_qla with FlashQLA 0.1.3's chunk_gated_delta_rule signature, computing
+    through the oracle; `calls` records each call's keywords."""
+
+    def __init__(self):
+        self.calls = []
+        self.through_fla = 0  # calls FLA's backend made
+        gdn = recurrence("gdn")
+
+        def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False,
+                                   state_v_first=False, auto_cp=True, enable_fwd_cp_cache=True, cp_context=None,
+                                   force_intra_cp=False):
+            self.calls.append(dict(locals()))
+            return _as_fla(gdn, q, k, v, [g, beta], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        self.module = types.ModuleType("flash_qla")
+        self.module.chunk_gated_delta_rule = chunk_gated_delta_rule
+
+
+def _dispatching_fla(fake_fla, flash_qla):
+    """fake_fla whose chunk_gated_delta_rule dispatches as fla-core 0.6.0's does: to a FlashQLA
+    backend (switched off by FLA_FLASH_QLA=0) that calls flash_qla as FLA's backend does, else to
+    its own kernels. Returns (importer, runs: which of the two each call ran)."""
+    runs = []
+    triton_kernels = fake_fla.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule
+
+    def through_flash_qla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, **kwargs):
+        flash_qla.through_fla += 1
+        return flash_qla.module.chunk_gated_delta_rule(
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, auto_cp=True)
+
+    def verifier(q, use_beta_sigmoid_in_kernel=False, **keywords):  # what FlashQLABackend's refuses, in short
+        return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == 128
+                and not keywords.get("use_gate_in_kernel") and not use_beta_sigmoid_in_kernel)
+
+    backend = _Backend("flash_qla", 3, verifier, env_var="FLA_FLASH_QLA", implementation=through_flash_qla)
+
+    @functools.wraps(triton_kernels)
+    def chunk_gated_delta_rule(**keywords):
+        if backend.is_available() and backend.is_enabled() and backend.verify("chunk_gated_delta_rule", **keywords)[0]:
+            runs.append("flashqla")
+            return backend.chunk_gated_delta_rule(**keywords)
+        runs.append("fla-triton")
+        return triton_kernels(**keywords)
+
+    package = types.ModuleType("fla.ops.gated_delta_rule")
+    package.chunk_gated_delta_rule = chunk_gated_delta_rule
+    package.fused_recurrent_gated_delta_rule = fake_fla.modules["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule
+    modules = _registries({**fake_fla.modules, "fla.ops.gated_delta_rule": package, "flash_qla": flash_qla.module}, backend)
+
+    def importer(name):
+        if name not in modules:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return modules[name]
+
+    return importer, runs
+
+
+def _oracle_module(rec):
+    """A stand-in for a generated module: chunk and recurrent computed by the oracle."""
+
+    def oracle_kernel(q, k, v, *extras, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, plan=None, chunk_size=None):
+        o, final_state = reference.run(rec, q, k, v, *extras, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return o.to(v.dtype), final_state.float()
+
+    return types.SimpleNamespace(chunk=oracle_kernel, recurrent=oracle_kernel, DEFAULT_CHUNK_PLAN="split")
+
+
+PEER_SHAPE = Shape(1, 12, 1, 2, 128, 128)  # FlashQLA's head dims
+
+
+def test_each_peer_is_a_column_of_its_own_gated_and_given_a_ratio(monkeypatch):
+    """gdn where FLA dispatches to FlashQLA: FLA's Triton kernels (FlashQLA switched off around
+    every call of that column, its backward and the oracle prefix's re-run included), FLA's
+    dispatch (FlashQLA), FlashQLA called directly with its own keywords, then lrdsl with a ratio
+    to each."""
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    fake, flash_qla = FakeFla(), FakeFlashQla()
+    importer, runs = _dispatching_fla(fake, flash_qla)
+    rec = recurrence("gdn")
+    seed = int(torch.seed() % 2**31)
+    print(f"[seed {seed}]")
+    rows = bench.bench([bench.SpecUnderTest("gdn", rec, _oracle_module(rec))], [PEER_SHAPE], backward=True, device="cpu",
+                       dtype=torch.bfloat16, seed=seed, importer=importer, oracle_tokens=8)
+
+    columns = [("fla-triton", "chunk_gated_delta_rule", "fla-triton"), ("flashqla", "chunk_gated_delta_rule", "flashqla"),
+               ("flashqla-direct", "flash_qla.chunk_gated_delta_rule", "flashqla"), ("lrdsl", "chunk[split]", "lrdsl")]
+    assert [(r.mode, r.impl, r.kernel, r.path) for r in rows] == [(m, *c) for m in ("fwd", "fwd+bwd") for c in columns]
+    for r in rows:
+        assert r.ok and r.err_vs_oracle <= 8e-3 and r.diff_vs_other <= 8e-3, r
+    for ours in (r for r in rows if r.impl == "lrdsl"):
+        peers = [r for r in rows if r.mode == ours.mode and r.impl != "lrdsl"]
+        assert ours.ratios == {p.impl: pytest.approx(p.ms / ours.ms) for p in peers}
+        assert all(not p.ratios for p in peers)
+    # per mode: the Triton column's timed call and prefix re-run, then the flashqla column's
+    assert runs == ["fla-triton", "fla-triton", "flashqla", "flashqla"] * 2
+    assert "FLA_FLASH_QLA" not in os.environ
+    # FlashQLA ran 8 times: 4 through FLA's backend, 4 called directly, each with these options
+    assert len(flash_qla.calls) == 8 and flash_qla.through_fla == 4
+    options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, auto_cp=True)
+    assert all(all(c[k] == v for k, v in options.items()) for c in flash_qla.calls)
+    summary = bench.ratio_summary(rows)[("gdn", "1x12x1x2")]
+    assert set(summary["fwd"]) == {"fla-triton", "flashqla", "flashqla-direct"}
+    text = bench.format_summary(rows)
+    assert "fwd+bwd flashqla-direct" in text and f"{rows[3].ratios['flashqla']:.2f}" in text
+    assert "fla-triton " in bench.format_row(rows[3]) and "flashqla-direct " in bench.format_row(rows[3])
+
+
+def test_flashqla_columns_only_where_they_apply(monkeypatch):
+    """No FlashQLA column at K != 128, in fp32, at decode shapes, for gdn_qwen35 (FlashQLA takes
+    the decay and beta themselves; FLA's dispatcher refuses its in-kernel gate), or where
+    flash_qla does not import; the Triton column is always there."""
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    fake, flash_qla = FakeFla(), FakeFlashQla()
+    importer, _ = _dispatching_fla(fake, flash_qla)
+    gdn = bench.fla_baseline(recurrence("gdn"))
+    assert [c.impl for c in bench.direct_peers(recurrence("gdn"), gdn, PEER_SHAPE, torch.bfloat16, True, importer)] == \
+        ["flashqla-direct"]
+    assert bench.direct_peers(recurrence("gdn"), gdn, Shape(1, 12, 1, 2, 64, 128), torch.bfloat16, True, importer) == []
+    assert bench.direct_peers(recurrence("gdn"), gdn, PEER_SHAPE, torch.float32, True, importer) == []
+    assert bench.direct_peers(recurrence("gdn"), gdn, Shape(4, 1, 1, 2, 128, 128), torch.bfloat16, True, importer) == []
+    qwen = recurrence("gdn_qwen35")
+    assert bench.direct_peers(qwen, bench.fla_baseline(qwen), PEER_SHAPE, torch.bfloat16, True, importer) == []
+    notes = []
+
+    def refuses(name):
+        if name == "flash_qla":
+            raise ValueError("FlashQLA now support sm90, sm100, sm103, sm120 and sm121 only")
+        return importer(name)
+
+    assert bench.direct_peers(recurrence("gdn"), gdn, PEER_SHAPE, torch.bfloat16, True, refuses, notes.append) == []
+    assert notes == ["flash_qla does not import (ValueError: FlashQLA now support sm90, sm100, sm103, sm120 and sm121 "
+                     "only): no flashqla-direct column"]
+    # FLA's dispatcher declines the in-kernel gate: gdn_qwen35 gets the Triton column only
+    qwen_baseline = bench.fla_baseline(qwen)
+    fla_chunk = importer("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    call = tiny_call(qwen, PEER_SHAPE, torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    peers = bench.fla_peers(qwen, qwen_baseline.chunk, fla_chunk, True, call, bench.FORWARD, importer)
+    assert [(p.impl, p.expects, p.problem) for p in peers] == [("fla-triton", "fla-triton", None)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +581,7 @@ def test_gate_fails_a_wrong_or_non_finite_row_and_gives_it_no_ratio(mode, genera
     rec = recurrence("gdn")
     shape = Shape(2, 9, 1, 2, 8, 8)
     call = tiny_call(rec, shape, generator)
-    fla = _oracle_contender(rec, bench.FLA, "fla_like", lambda o, s: (o, s))
+    fla = _oracle_contender(rec, bench.FLA_TRITON, "fla_like", lambda o, s: (o, s))
     right = _oracle_contender(rec, bench.LRDSL, "right", lambda o, s: (o, s))
     wrong = _oracle_contender(rec, bench.LRDSL, "off by 1%", lambda o, s: (o * 1.01, s))
     nan = _oracle_contender(rec, bench.LRDSL, "nan", lambda o, s: (o, s * float("nan")))
@@ -318,12 +589,12 @@ def test_gate_fails_a_wrong_or_non_finite_row_and_gives_it_no_ratio(mode, genera
     rows = {r.kernel: r for r in _group(rec, [fla, right, wrong, nan], call, shape, mode, (2, 9))}
 
     assert rows["fla_like"].ok and rows["right"].ok, rows
-    assert rows["right"].ratio == pytest.approx(rows["fla_like"].ms / rows["right"].ms)
+    assert rows["right"].ratios == {"fla-triton": pytest.approx(rows["fla_like"].ms / rows["right"].ms)}
     assert rows["right"].err_vs_oracle <= 2e-3 and rows["right"].diff_vs_other <= 2e-3
-    assert not rows["off by 1%"].ok and rows["off by 1%"].ratio is None
+    assert not rows["off by 1%"].ok and rows["off by 1%"].ratios == {}
     assert "differs from the float64 oracle by 1.0e-02" in rows["off by 1%"].reason
     assert rows["off by 1%"].diff_vs_other == pytest.approx(1e-2, rel=1e-3)
-    assert not rows["nan"].ok and rows["nan"].ratio is None
+    assert not rows["nan"].ok and rows["nan"].ratios == {}
     assert "final state not finite" in rows["nan"].reason
 
 
@@ -341,7 +612,7 @@ def test_gate_cross_checks_the_full_shape_where_the_oracle_sees_a_prefix(generat
         o[:, 8:] *= 1.1
         return o, final_state * 1.1
 
-    fla = _oracle_contender(rec, bench.FLA, "fla_like", lambda o, s: (o, s))
+    fla = _oracle_contender(rec, bench.FLA_TRITON, "fla_like", lambda o, s: (o, s))
     ours = _oracle_contender(rec, bench.LRDSL, "wrong after the prefix", wrong_after_prefix)
 
     rows = _group(rec, [fla, ours], call, shape, bench.FORWARD, (1, 8))
@@ -349,8 +620,39 @@ def test_gate_cross_checks_the_full_shape_where_the_oracle_sees_a_prefix(generat
     assert all(r.err_vs_oracle <= 2e-3 for r in rows)  # the prefix re-run and the full run's o prefix pass
     assert [r.status for r in rows] == ["FAILED", "FAILED"]
     assert "differs from lrdsl wrong after the prefix" in rows[0].reason
-    assert "differs from fla-core fla_like" in rows[1].reason
-    assert rows[1].ratio is None
+    assert "differs from fla-triton fla_like" in rows[1].reason
+    assert rows[1].ratios == {}
+
+
+def test_cross_check_with_several_peers_fails_only_the_odd_one_out(generator):
+    """Three implementations right on the oracle's prefix, one of them wrong after it: the two
+    that agree keep their rows (each agrees with a third that also differs from the odd one), the
+    odd one fails, and lrdsl gets a ratio to the peer that passed only. With two alone, both
+    fail (test above)."""
+    rec = recurrence("deltanet")
+    shape = Shape(1, 12, 1, 1, 8, 8)
+    call = tiny_call(rec, shape, generator)
+
+    def wrong_after_prefix(o, final_state):
+        if o.shape[1] <= 8:
+            return o, final_state
+        o = o.clone()
+        o[:, 8:] *= 1.1
+        return o, final_state * 1.1
+
+    triton = _oracle_contender(rec, bench.FLA_TRITON, "fla_like", lambda o, s: (o, s))
+    odd = _oracle_contender(rec, "flashqla", "odd_one", wrong_after_prefix)
+    ours = _oracle_contender(rec, bench.LRDSL, "ours", lambda o, s: (o, s))
+
+    rows = {r.impl: r for r in _group(rec, [triton, odd, ours], call, shape, bench.FORWARD, (1, 8))}
+
+    assert rows["fla-triton"].ok and rows["lrdsl"].ok, rows
+    assert not rows["flashqla"].ok and "differs from fla-triton fla_like" in rows["flashqla"].reason
+    assert "differs from lrdsl ours" in rows["flashqla"].reason
+    assert rows["lrdsl"].ratios == {"fla-triton": pytest.approx(rows["fla-triton"].ms / rows["lrdsl"].ms)}
+    assert rows["lrdsl"].diff_vs_other == pytest.approx(0.1, rel=0.2)  # its worst difference: from the odd peer
+    assert bench.ratio_summary(list(rows.values()))[("deltanet", "1x12x1x1x8x8")]["fwd"] == {
+        "fla-triton": rows["lrdsl"].ratios["fla-triton"], "flashqla": "FAILED"}
 
 
 def test_an_implementation_that_raises_is_a_failed_row(generator):
@@ -378,11 +680,12 @@ def test_without_fla_the_rows_are_lrdsl_only_gated_by_the_oracle_and_without_rat
     stand_in = types.SimpleNamespace(chunk=oracle_kernel, recurrent=oracle_kernel, DEFAULT_CHUNK_PLAN="split")
     rows = bench.bench([bench.SpecUnderTest("simple_gla", rec, stand_in)], [Shape(1, 7, 1, 2, 8, 8), Shape(3, 1, 1, 2, 8, 8)],
                        backward=True, device="cpu", dtype=torch.float32, seed=int(torch.seed() % 2**31), importer=_no_fla)
-    assert [(r.mode, r.impl, r.kernel, r.status, r.ratio) for r in rows] == [
-        ("fwd", "lrdsl", "chunk[split]", "ok", None), ("fwd+bwd", "lrdsl", "chunk[split]", "ok", None),
-        ("decode", "lrdsl", "recurrent", "ok", None)]
+    assert [(r.mode, r.impl, r.kernel, r.status, r.ratios) for r in rows] == [
+        ("fwd", "lrdsl", "chunk[split]", "ok", {}), ("fwd+bwd", "lrdsl", "chunk[split]", "ok", {}),
+        ("decode", "lrdsl", "recurrent", "ok", {})]
     assert all(r.err_vs_oracle <= 2e-3 and r.diff_vs_other is None for r in rows)
-    assert bench.ratio_summary(rows)[("simple_gla", "1x7x1x2x8x8")] == {"fwd": "no FLA", "fwd+bwd": "no FLA"}
+    assert bench.ratio_summary(rows)[("simple_gla", "1x7x1x2x8x8")] == {"fwd": {}, "fwd+bwd": {}}
+    assert "(no peer)" in bench.format_summary(rows)
 
 
 def test_chunk_sizes_give_one_gated_row_each_and_reach_the_kernel():
@@ -431,7 +734,7 @@ def test_serving_rows_are_gated_on_the_oracle_and_compared_with_the_pool_decode(
     for r in serving:
         assert r.ok, r
         assert r.err_vs_oracle <= (8e-3 if r.mode == "pool bf16" else 2e-3), r
-        assert r.state_tbps > 0 and r.vs_pool > 0 and r.ratio is None
+        assert r.state_tbps > 0 and r.vs_pool > 0 and r.ratios == {}
     assert serving[0].vs_pool == 1.0
     assert "pool" not in bench.format_summary(rows) and bench.format_row(serving[3]).split()[-2] == f"{serving[3].vs_pool:.2f}"
     assert bench.serving_state_bytes(TINY_DECODE, "verify+commit") == 3 * 2 * 2 * 16 * 16 * 4
@@ -464,20 +767,20 @@ def test_harness_times_every_mode_and_gates_every_row_on_cpu(gdn_rows):
     rows, fake = gdn_rows
     table = [(r.mode, r.shape, r.impl, r.kernel, r.path) for r in rows]
     assert table == [
-        ("fwd", "2x20x1x2x16x16", "fla-core", "chunk_gated_delta_rule", "fla-triton"),
+        ("fwd", "2x20x1x2x16x16", "fla-triton", "chunk_gated_delta_rule", "fla-triton"),
         ("fwd", "2x20x1x2x16x16", "lrdsl", "chunk[split]", "lrdsl"),
-        ("fwd+bwd", "2x20x1x2x16x16", "fla-core", "chunk_gated_delta_rule", "fla-triton"),
+        ("fwd+bwd", "2x20x1x2x16x16", "fla-triton", "chunk_gated_delta_rule", "fla-triton"),
         ("fwd+bwd", "2x20x1x2x16x16", "lrdsl", "chunk[split]", "lrdsl"),
-        ("decode", "2x1x1x2x16x16", "fla-core", "fused_recurrent_gated_delta_rule", "fla-triton"),
+        ("decode", "2x1x1x2x16x16", "fla-triton", "fused_recurrent_gated_delta_rule", "fla-triton"),
         ("decode", "2x1x1x2x16x16", "lrdsl", "recurrent", "lrdsl"),
     ]
     for r in rows:
         assert r.ok, r
         assert r.err_vs_oracle <= 2e-3 and r.diff_vs_other <= 2e-3, r
-        assert (r.ratio is not None) == (r.impl == "lrdsl")
+        assert bool(r.ratios) == (r.impl == "lrdsl")
     by_group = {(r.mode, r.impl): r for r in rows}
     for mode in ("fwd", "fwd+bwd", "decode"):
-        assert by_group[(mode, "lrdsl")].ratio == pytest.approx(by_group[(mode, "fla-core")].ms / by_group[(mode, "lrdsl")].ms)
+        assert by_group[(mode, "lrdsl")].ratios == {"fla-triton": pytest.approx(by_group[(mode, "fla-triton")].ms / by_group[(mode, "lrdsl")].ms)}
     assert by_group[("fwd+bwd", "lrdsl")].worst_vs_oracle  # gradients were checked: a name is recorded
     assert by_group[("decode", "lrdsl")].state_tbps > 0 and by_group[("decode", "lrdsl")].tflops is None
     # each FLA function was called by keyword only: full run and the oracle prefix's re-run
@@ -488,14 +791,14 @@ def test_harness_times_every_mode_and_gates_every_row_on_cpu(gdn_rows):
 def test_summary_json_and_table_carry_status_ratio_and_path(gdn_rows, tmp_path):
     rows, _ = gdn_rows
     records = json.loads(bench.to_json(rows))
-    assert [(x["status"], x["path"], x["ratio"] is not None) for x in records] == [
+    assert [(x["status"], x["path"], bool(x["ratios"])) for x in records] == [
         ("ok", r.path, r.impl == "lrdsl") for r in rows]
     summary = bench.ratio_summary(rows)
     assert set(summary) == {("gdn", "2x20x1x2x16x16"), ("gdn", "2x1x1x2x16x16")}
     assert summary[("gdn", "2x20x1x2x16x16")] == {
-        "fwd": rows[1].ratio, "fwd+bwd": rows[3].ratio}
+        "fwd": {"fla-triton": rows[1].ratios["fla-triton"]}, "fwd+bwd": {"fla-triton": rows[3].ratios["fla-triton"]}}
     text = bench.format_summary(rows)
-    assert "FLA / lrdsl" in text and f"{rows[1].ratio:.2f}" in text
+    assert "peer ms / lrdsl ms" in text and "fwd fla-triton" in text and f"{rows[1].ratios['fla-triton']:.2f}" in text
     assert bench.format_row(rows[5]).split()[6:8] == [f"{rows[5].ms * 1e3:.1f}", "us"]
 
 
@@ -513,6 +816,135 @@ def test_rows_written_by_json_are_reported_again_without_a_gpu(gdn_rows, tmp_pat
     (tmp_path / "bad.json").write_text('[{"spec": "gdn"}]')
     assert "not rows written by lrdsl bench --json" in _error_line(["bench", "--from-json", str(tmp_path / "bad.json")], capsys)
     assert "give no spec files or --all" in _error_line(["bench", "--all", "--from-json", str(first)], capsys)
+
+
+def test_json_from_before_the_peer_columns_reads_as_those_columns(tmp_path):
+    """A file written when FLA had one column ("fla-core", its path saying what ran, one
+    "ratio" per lrdsl row) reads as the column that path names, with the ratio to it."""
+    common = dict(spec="gdn", mode="fwd", shape="4x4096x16x32", status="ok", reason="", tflops=None, state_tbps=None,
+                  peak_mib=None, cold_s=None, err_vs_oracle=1e-3, worst_vs_oracle="o", diff_vs_other=1e-3, vs_pool=None)
+    old = [dict(common, impl="fla-core", kernel="chunk_gated_delta_rule", path="flashqla", ms=0.759, ratio=None),
+           dict(common, impl="lrdsl", kernel="chunk[split]", path="lrdsl", ms=0.999, ratio=0.759 / 0.999),
+           dict(common, mode="fwd+bwd", impl="fla-core", kernel="chunk_gated_delta_rule", path="-", ms=None,
+                ratio=None, status="FAILED", reason="RuntimeError: x"),
+           dict(common, mode="fwd+bwd", impl="lrdsl", kernel="chunk[split]", path="lrdsl", ms=3.8, ratio=None)]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    rows = bench.rows_from_json(path)
+    assert [(r.mode, r.impl, r.ratios) for r in rows] == [
+        ("fwd", "flashqla", {}), ("fwd", "lrdsl", {"flashqla": pytest.approx(0.76, abs=1e-3)}),
+        ("fwd+bwd", "fla-core", {}), ("fwd+bwd", "lrdsl", {})]
+    assert bench.ratio_summary(rows)[("gdn", "4x4096x16x32")] == {
+        "fwd": {"flashqla": rows[1].ratios["flashqla"]}, "fwd+bwd": {"fla-core": "FAILED"}}
+    rewritten = tmp_path / "new.json"
+    rewritten.write_text(bench.to_json(rows))
+    assert bench.rows_from_json(rewritten) == rows
+
+
+def test_decode_rows_carry_the_cards_copy_bandwidth_and_their_fraction_of_it(tmp_path):
+    row = bench.BenchRow("gdn", "decode", "256x1x16x32", "lrdsl", "recurrent", "lrdsl", ms=0.1, state_tbps=2.78)
+    training = bench.BenchRow("gdn", "fwd", "4x4096x16x32", "lrdsl", "chunk[split]", "lrdsl", ms=1.0, tflops=100.0)
+    with_copy = bench.with_copy_bandwidth([row, training], 2.98)
+    assert with_copy[0].copy_tbps == 2.98 and with_copy[0].of_copy == pytest.approx(2.78 / 2.98)
+    assert with_copy[1] == training  # no state traffic: nothing to hold against the copy
+    assert bench.with_copy_bandwidth([row], None) == [row]  # off a GPU: not measured
+    assert "2.78/2.98 TB/s" in bench.format_row(with_copy[0]) and " 0.93 " in bench.format_row(with_copy[0])
+    assert bench.measure_copy_tbps("cpu") is None
+    (tmp_path / "rows.json").write_text(bench.to_json(with_copy))
+    assert bench.rows_from_json(tmp_path / "rows.json") == with_copy
+
+
+@pytest.mark.gpu
+def test_copy_bandwidth_is_measured_on_the_gpu():
+    tbps = bench.measure_copy_tbps("cuda", nbytes=1 << 28)
+    print(f"copy: {tbps:.2f} TB/s")
+    assert 0.1 < tbps < 20  # any card this runs on: between a PCIe link's and beyond HBM3e's
+
+
+def test_family_covers_every_shipped_spec_with_an_fla_counterpart():
+    """Every spec in specs/ with an FLA counterpart (deltanet and simple_gla included) gets an FLA
+    Triton row beside lrdsl's, gated, with a ratio, at the family's head layout (H = HV)."""
+    counterparts = {}
+    for path in sorted((ROOT / "specs").glob("*.toml")):
+        rec = recurrence(path.stem)
+        if bench.fla_baseline(rec) is not None:
+            counterparts[rec.name] = rec
+    assert set(counterparts) == {"gdn", "gdn_qwen35", "deltanet", "simple_gla", "kda", "gla", "rwkv7"}
+    assert bench.parse_shapes("family") == list(bench.FAMILY_SHAPES)
+    family = bench.FAMILY_SHAPES[0]
+    tiny = Shape(1, 6, 2, 2, 8, 8)  # the family's layout (H = HV) at a size the CPU oracle runs in a blink
+    assert family.H == family.HV
+    fake = FakeFla()
+    specs = [bench.SpecUnderTest(name, rec, _oracle_module(rec)) for name, rec in counterparts.items()]
+    rows = bench.bench(specs, [tiny], backward=True, device="cpu", dtype=torch.float32,
+                       seed=int(torch.seed() % 2**31), importer=fake.importer)
+    for name in counterparts:
+        for mode in ("fwd", "fwd+bwd"):
+            group = [(r.impl, r.ok, bool(r.ratios)) for r in rows if r.spec == name and r.mode == mode]
+            assert group == [("fla-triton", True, False), ("lrdsl", True, True)], (name, mode, rows)
+    called = {name for name, _ in fake.calls}
+    assert {"chunk_delta_rule", "chunk_simple_gla", "chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_rwkv7"} <= called
+
+
+def test_bench_peers_phases_cover_every_spec_with_an_fla_counterpart_and_issue_45s_shapes():
+    """scripts/bench_peers.py: its phases name shipped specs and shapes `--shapes` takes, the
+    family phases cover every spec with an FLA counterpart, and gdn runs at the training shapes
+    and FlashQLA's published ones (issue 45: 1 x 32768 at 16/64 heads; 4 x 8192)."""
+    script = _script_module("bench_peers")
+    family = set()
+    for phase, (names, shapes) in script.PHASES.items():
+        parsed = bench.parse_shapes(shapes)
+        assert parsed, phase
+        for name in names:
+            assert (ROOT / "specs" / f"{name}.toml").exists()
+        if shapes == "family":
+            family.update(names)
+    with_counterpart = {p.stem for p in (ROOT / "specs").glob("*.toml") if bench.fla_baseline(recurrence(p.stem))}
+    assert family == with_counterpart
+    gdn_shapes = {bench.shape_label(s) for phase, (names, shapes) in script.PHASES.items() if "gdn" in names
+                  for s in bench.parse_shapes(shapes)}
+    assert {"4x4096x16x32", "1x32768x16x32", "1x65536x2x8", "1x32768x16x64", "4x8192x16x64",
+            "256x1x16x32"} <= gdn_shapes
+
+
+def test_bench_peers_writes_each_phase_as_it_goes_and_stops_starting_work_at_its_deadline(monkeypatch, tmp_path,
+                                                                                           capsys):
+    """The driver's loop without a GPU: bench() is replaced by one that makes an lrdsl row and a
+    peer row per call; the copy bandwidth is measured once for the decode phase and passed on;
+    each phase's JSON holds its rows; past the deadline nothing new starts and the rest is named."""
+    script = _script_module("bench_peers")
+    import lrdsl
+
+    calls = []
+
+    def fake_bench(specs, shapes, backward, seed, on_rows, on_note, copy_tbps):
+        (spec,), (shape,) = specs, shapes
+        calls.append((spec.name, bench.shape_label(shape), backward, copy_tbps))
+        label = bench.shape_label(shape)
+        peer = bench.BenchRow(spec.name, "fwd", label, "fla-triton", "f", "fla-triton", ms=2.0)
+        ours = bench.BenchRow(spec.name, "fwd", label, "lrdsl", "chunk[split]", "lrdsl", ms=1.0, ratios={"fla-triton": 2.0})
+        on_rows([peer, ours])
+        return [peer, ours]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a fake card")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "bench", fake_bench)
+    monkeypatch.setattr(bench, "measure_copy_tbps", lambda device: 3.0)
+    monkeypatch.setattr(bench, "allow_fla_gated_backward_on_hopper", lambda: False)
+    monkeypatch.setattr(lrdsl, "load", lambda path: None)
+
+    assert script.main(["decode", "family-b", "--out", str(tmp_path), "--deadline", "1e9"]) == 0
+    assert calls[:4] == [("gdn", f"{b}x1x16x32", False, 3.0) for b in (1, 64, 256, 1024)]
+    assert [c[:3] for c in calls[4:]] == [(n, "4x4096x16x16", True) for n in ("kda", "gla", "rwkv7")]
+    assert [r.spec for r in bench.rows_from_json(tmp_path / "family-b.json")] == ["kda", "kda", "gla", "gla", "rwkv7", "rwkv7"]
+    printed = capsys.readouterr().out
+    assert "[decode] 0 FAILED row(s)" in printed and "fwd fla-triton" in printed
+
+    calls.clear()
+    assert script.main(["training", "--out", str(tmp_path), "--deadline", "0"]) == 0
+    assert calls == []
+    assert "not run (past --deadline 0 s): training: gdn 4x4096x16x32; training: gdn 1x32768x16x32" in capsys.readouterr().out
 
 
 def test_plot_writes_a_png_of_the_ratios(gdn_rows, tmp_path):
@@ -574,8 +1006,8 @@ def test_bench_command_errors_are_one_line_before_any_gpu_work(tmp_path, capsys)
 def test_all_picks_every_spec_with_an_fla_counterpart(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     args = cli.build_parser().parse_args(["bench", "--all"])
-    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/gla.toml", "specs/kda.toml",
-                                           "specs/rwkv7.toml", "specs/simple_gla.toml"]
+    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/gdn_qwen35.toml", "specs/gla.toml",
+                                           "specs/kda.toml", "specs/rwkv7.toml", "specs/simple_gla.toml"]
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LrdslError, match="no spec in ./specs has an FLA counterpart"):
         cli._bench_spec_paths(args)
@@ -604,7 +1036,7 @@ def test_harness_on_gpu_times_decode_as_a_graph_replay_and_gates_every_row():
     for r in rows:
         print(bench.format_row(r))
     modes = [(r.mode, r.impl) for r in rows]
-    assert modes == [(m, impl) for m in ("fwd", "fwd+bwd", "decode", "decode graph") for impl in ("fla-core", "lrdsl")]
+    assert modes == [(m, impl) for m in ("fwd", "fwd+bwd", "decode", "decode graph") for impl in ("fla-triton", "lrdsl")]
     for r in rows:
         if r.mode == "decode graph" and not r.ok:  # what the graph row says when capture fails
             assert r.reason.startswith("NotCapturable: not capturable in a CUDA graph"), r
@@ -613,8 +1045,8 @@ def test_harness_on_gpu_times_decode_as_a_graph_replay_and_gates_every_row():
         assert r.ms > 0 and r.err_vs_oracle <= 8e-3
         assert r.diff_vs_other <= 8e-3 if r.diff_vs_other is not None else r.mode == "decode graph"  # FLA's capture failed
     for ours in (r for r in rows if r.impl == "lrdsl"):
-        theirs = next(r for r in rows if r.impl == "fla-core" and r.mode == ours.mode)
-        assert (ours.ratio is not None) == (ours.ok and theirs.ok)
+        theirs = next(r for r in rows if r.impl == "fla-triton" and r.mode == ours.mode)
+        assert bool(ours.ratios) == (ours.ok and theirs.ok)
     assert all(r.peak_mib > 0 for r in rows if r.mode != "decode graph")
 
 

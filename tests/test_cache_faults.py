@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,11 @@ def fresh_process_load():
     """lrdsl.load as a new process would do it: nothing remembered in memory."""
     loader._loaded.clear()
     return lrdsl.load(spec_path(SPEC))
+
+
+def fresh_process_load_of(name: str):
+    loader._loaded.clear()
+    return lrdsl.load(spec_path(name))
 
 
 def the_entry(directory: Path) -> Path:
@@ -79,12 +87,22 @@ def make_unreadable(entry: Path):
     entry.symlink_to(entry.name)
 
 
+def another_specs_entry(entry: Path):
+    """A sound entry of another spec copied onto this one's file name: its digest holds, its key
+    does not (it was imported as this spec, silently, when entries recorded no key)."""
+    loader._loaded.clear()
+    lrdsl.load(spec_path("deltanet"))
+    (other,) = entry.parent.glob("deltanet_*.py")
+    shutil.copyfile(other, entry)
+
+
 DAMAGES = {
     "truncated": (truncate, "truncated or edited"),
     "empty": (empty, "is empty"),
     "edited": (edit, "truncated or edited"),
     "digest_line_removed": (drop_digest_line, "truncated or edited"),
     "unreadable": (make_unreadable, "unreadable"),
+    "another_specs_entry": (another_specs_entry, "filed under the wrong key"),
 }
 
 
@@ -102,7 +120,7 @@ def test_damaged_entry_is_regenerated_with_one_warning(damage, private_cache, ca
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"lrdsl: warning: cache entry {entry} ") and why in lines[0], lines[0]
     assert lines[0].endswith("regenerating it")
-    assert not entry.is_symlink() and cache.read_entry(entry)[0] is not None, "the entry is sound again"
+    assert not entry.is_symlink() and cache.parse_entry(entry.read_bytes()).source is not None, "sound again"
     assert_module_works(module, generator)
     fresh_process_load()  # and the next process finds it sound: no warning
     assert capfd.readouterr().err == ""
@@ -120,13 +138,16 @@ def test_sound_entry_loads_silently_and_leaves_no_bytecode(private_cache, capfd)
     assert not (private_cache / "__pycache__").exists()
 
 
-def test_entry_records_the_digest_of_its_contents(private_cache):
-    fresh_process_load()
+def test_entry_records_its_key_and_the_digest_of_its_contents(private_cache):
+    module = fresh_process_load()
     entry = the_entry(private_cache)
-    source, problem = cache.read_entry(entry)
+    key = next(key for key, loaded in loader._loaded.items() if loaded is module)
+    source, problem = cache.read_entry(entry, key)
     assert problem is None
-    assert entry.read_text() == cache.entry_text(source)
-    assert entry.read_text().splitlines()[-1].startswith("# lrdsl cache entry sha256=")
+    assert entry.read_text() == cache.entry_text(source, key)
+    *_, key_line, digest_line = entry.read_text().splitlines()
+    assert key_line == f"# lrdsl cache entry key={key} build={cache.build_fingerprint()}"
+    assert digest_line.startswith("# lrdsl cache entry sha256=")
 
 
 def test_unwritable_cache_directory_falls_back_to_a_private_one(tmp_path, monkeypatch, capfd, generator):
@@ -197,5 +218,141 @@ def test_processes_filling_one_entry_at_once_leave_one_sound_entry(private_cache
     assert all(Path(path).read_text() == "" for path in stderr_paths), "no warning: no process saw a damaged entry"
     entries = list(private_cache.glob("*.py"))
     assert len(entries) == 1, entries
-    assert cache.read_entry(entries[0])[1] is None
+    assert cache.parse_entry(entries[0].read_bytes()).damage is None
     assert not list(private_cache.glob(".*.tmp")), "no temporary file is left behind"
+
+
+# -- threads ------------------------------------------------------------------------------------
+
+THREADS = 6
+
+
+def _load_from_threads(spec: str) -> tuple[list, list]:
+    """lrdsl.load(spec) from THREADS threads released at one moment: (modules, exceptions)."""
+    barrier = threading.Barrier(THREADS)
+    modules, failures = [None] * THREADS, [None] * THREADS
+
+    def load(i):
+        barrier.wait(timeout=60)
+        try:
+            modules[i] = lrdsl.load(spec)
+        except BaseException as exc:  # noqa: BLE001 - the test reports what each thread raised
+            failures[i] = exc
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return modules, failures
+
+
+@pytest.mark.parametrize("cache_state", ["cold", "warm"])
+def test_threads_loading_one_spec_at_once_get_one_module(cache_state, private_cache, monkeypatch, capfd, generator):
+    """Cold: no entry on disk; warm: an entry another process wrote, nothing loaded in this one.
+    Every thread gets the same module, imported (custom ops registered) once, and it stays in
+    sys.modules: its ops and torch.compile find it there."""
+    if cache_state == "warm":
+        fresh_process_load_of("gdn")
+        loader._loaded.clear()
+    imports = []
+    import_file = loader.import_file
+
+    def counted_import(*args):
+        imports.append(args[1])
+        return import_file(*args)
+
+    monkeypatch.setattr(loader, "import_file", counted_import)
+    capfd.readouterr()
+
+    modules, failures = _load_from_threads("gdn")
+
+    assert failures == [None] * THREADS, failures
+    assert len({id(module) for module in modules}) == 1, "every thread gets the same module"
+    assert len(imports) == 1, f"imported {len(imports)} times"
+    module = modules[0]
+    assert sys.modules[module.__name__] is module
+    assert capfd.readouterr().err == ""
+    # the registered custom op, called through the dispatcher as torch.compile calls it
+    rec = recurrence("gdn")
+    tensors = make_inputs(rec, Shape(1, 5, 1, 2, 8, 8), generator=generator)
+    o, ht = module._compiled_recurrent(tensors, None, None, True, None, False, False, None, None, True, None)
+    ref_o, ref_ht = reference.run(rec, *tensors, output_final_state=True)
+    assert_close(o, ref_o, torch.float32, "o through the custom op")
+    assert_close(ht, ref_ht, torch.float32, "final state through the custom op")
+
+
+def test_threads_loading_different_specs_do_not_wait_on_one_lock(private_cache, monkeypatch):
+    """The lock is per key: a thread stuck importing one spec does not hold up another spec."""
+    first_importing, release = threading.Event(), threading.Event()
+    import_file = loader.import_file
+
+    def slow_for_linear_attn(file, name, source=None):
+        if "linear_attn" in name:
+            first_importing.set()
+            assert release.wait(timeout=300)
+        return import_file(file, name, source)
+
+    monkeypatch.setattr(loader, "import_file", slow_for_linear_attn)
+    slow = threading.Thread(target=lrdsl.load, args=("linear_attn",))
+    slow.start()
+    try:
+        assert first_importing.wait(timeout=300)
+        assert callable(lrdsl.load("deltanet").recurrent)  # would deadlock behind one global lock
+    finally:
+        release.set()
+        slow.join(timeout=300)
+
+
+def test_a_failed_import_leaves_another_import_of_that_name_in_place(tmp_path):
+    """A module that fails to import removes itself from sys.modules, never a module another
+    import registered under that name (a failing thread once deleted the winner's module)."""
+    good, bad = tmp_path / "good.py", tmp_path / "bad.py"
+    good.write_text("VALUE = 1\n")
+    bad.write_text("raise RuntimeError('broken')\n")
+    name = "lrdsl_test_shared_name"
+    winner = loader.import_file(good, name)
+    try:
+        with pytest.raises(RuntimeError, match="broken"):
+            loader.import_file(bad, name)
+        assert sys.modules[name] is winner
+    finally:
+        sys.modules.pop(name, None)
+
+
+# -- how the spec was named ---------------------------------------------------------------------
+
+def test_entry_bytes_do_not_depend_on_how_the_spec_was_named(tmp_path, monkeypatch):
+    """A shipped name, a relative path, an absolute path and a copy under a file name UTF-8 cannot
+    encode (Latin-1 bytes) give one key and byte-identical entries: the path is not in the text."""
+    copy = os.fsdecode(os.fsencode(tmp_path) + b"/sp\xe9c.toml")
+    Path(copy).write_bytes(Path(spec_path(SPEC)).read_bytes())
+    monkeypatch.chdir(Path(spec_path(SPEC)).parent.parent)
+    entries = {}
+    for naming in (SPEC, f"specs/{SPEC}.toml", spec_path(SPEC), copy):
+        directory = tmp_path / f"cache{len(entries)}"
+        monkeypatch.setenv("LRDSL_CACHE_DIR", str(directory))
+        monkeypatch.setattr(loader, "_loaded", {})
+        assert callable(lrdsl.load(naming).recurrent)
+        entry = the_entry(directory)
+        entries[naming] = (entry.name, entry.read_bytes())
+    assert len(set(entries.values())) == 1, {naming: name for naming, (name, _) in entries.items()}
+
+
+# -- LRDSL_DUMP ---------------------------------------------------------------------------------
+
+def test_unwritable_dump_directory_warns_once_and_still_loads(private_cache, tmp_path, monkeypatch, capfd,
+                                                              generator):
+    """The module compiled and cached fine: a dump directory that cannot be written (here its
+    parent is a file, which stops root too) costs one warning per process, not the load."""
+    (tmp_path / "a_file").write_text("")
+    dump = tmp_path / "a_file" / "dump"
+    monkeypatch.setenv("LRDSL_DUMP", str(dump))  # a new directory: this process has not warned of it
+
+    module = lrdsl.load(spec_path(SPEC))
+    lrdsl.load(spec_path("deltanet"))  # a second module: no second warning
+
+    lines = warnings_in(capfd.readouterr().err)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"lrdsl: warning: cannot write LRDSL_DUMP={dump} ("), lines[0]
+    assert_module_works(module, generator)

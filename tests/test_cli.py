@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,7 @@ from conftest import HAS_GPU, INTERPRETED, ROOT
 from helpers import assert_close, recurrence, spec_path
 
 LRDSL_SCRIPT = Path(sys.executable).parent / "lrdsl"
+CANNOT_WRITE = 73  # the exit status of an output that cannot be written (lrdsl/cli.py lists them all)
 
 
 def lrdsl_command() -> list[str]:
@@ -79,8 +81,8 @@ def assert_rows_stream_with_progress(lines: list[tuple[float, str]]):
     assert rows[-1][0] - rows[0][0] > 1.0, rows
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str):
-    assert result.returncode == 2, result.stderr
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, status: int = 2):
+    assert result.returncode == status, (result.returncode, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, f"expected one error line, got:\n{result.stderr}"
     assert lines[0].startswith("lrdsl: error: ")
@@ -245,7 +247,7 @@ def test_show_into_a_closed_pipe_ends_quietly():
 
 def test_output_directory_missing(tmp_path):
     result = run(["compile", "specs/gdn.toml", "-o", str(tmp_path / "no" / "such" / "dir.py")])
-    assert_one_line_error(result, "directory does not exist")
+    assert_one_line_error(result, "directory does not exist", status=CANNOT_WRITE)
 
 
 def test_check_with_bad_shape_reports_tensor_error():
@@ -461,3 +463,179 @@ def test_autotune_results_travel_between_machines_per_gpu_model(tmp_path):
     assert (second / "a1" / "chunk_fwd_kernel_o.autotune.json").read_text() == '{"key": "a1", "configs_timings": []}'
     assert not list(second.rglob("*.cubin"))
     assert cache.collect(store, "NVIDIA H200", tmp_path / "absent") == 0
+
+
+# -- spec paths UTF-8 cannot encode -------------------------------------------------------------
+
+# (file name as the OS stores it, extra environment): Latin-1 bytes, which are not UTF-8; and a
+# UTF-8 name under a C locale that Python honours (no UTF-8 mode, no locale coercion), where the
+# file system encoding is ASCII. Either way Python hands lrdsl a str holding surrogates.
+ODD_NAMES = {
+    "latin1_bytes": (b"sp\xe9c_latin1.toml", {}),
+    "c_locale": ("spéc_c_locale.toml".encode(), {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}),
+}
+ODD_NAME_COMMANDS = {
+    "compile": lambda spec, tmp: ["compile", spec, "-o", str(tmp / "out.py")],
+    "show": lambda spec, tmp: ["show", spec, "--stage", "spec"],
+    "show_module": lambda spec, tmp: ["show", spec, "--stage", "module"],
+    "check": lambda spec, tmp: ["check", spec, "--forward-only", "--chunk-size", "16", "--shape", "1,3,1,1,4,4"],
+    "demo": lambda spec, tmp: ["demo", spec, "--output-dir", str(tmp / "out"), "--shape", "1,3,1,1,4,4"],
+}
+
+
+@pytest.mark.parametrize("command", list(ODD_NAME_COMMANDS))
+@pytest.mark.parametrize("naming", list(ODD_NAMES))
+def test_spec_path_that_utf8_cannot_encode(naming, command, tmp_path):
+    """Any file name the OS accepts works: once such a name reached the module text and its
+    digest, every command ended in UnicodeEncodeError."""
+    name, extra = ODD_NAMES[naming]
+    spec_file = os.fsencode(tmp_path) + b"/" + name
+    with open(spec_file, "wb") as handle:
+        handle.write(Path(spec_path("linear_attn")).read_bytes())
+    environment = user_environment(LRDSL_CACHE_DIR=str(tmp_path / "cache"), **extra)
+    args = [os.fsencode(a) for a in ODD_NAME_COMMANDS[command](os.fsdecode(spec_file), tmp_path)]
+    args[1] = spec_file  # the name as bytes: the child decodes it by its own locale
+    result = subprocess.run([os.fsencode(a) for a in lrdsl_command()] + args, cwd=ROOT, env=environment,
+                            capture_output=True, timeout=600)
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 0, stderr
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    assert result.stdout.strip(), "the command printed its result"
+
+
+# -- outputs that cannot be written, Ctrl-C ----------------------------------------------------
+
+def file_size_limit(limit: int):
+    """A preexec_fn: files the child writes stop at `limit` bytes, as on a full file system (the
+    write fails with EFBIG; Python ignores SIGXFSZ)."""
+    def limit_files():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return limit_files
+
+
+def files_under(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+def assert_nothing_written(directory: Path, before: list[str]):
+    assert files_under(directory) == before, "no file (nor a temporary one) is left half-written"
+
+
+def test_compile_into_a_path_whose_parent_is_a_file(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    result = run(["compile", "specs/linear_attn.toml", "-o", str(tmp_path / "a_file" / "out.py")])
+    assert_one_line_error(result, f"cannot write {tmp_path / 'a_file' / 'out.py'} (", status=CANNOT_WRITE)
+    assert_nothing_written(tmp_path, ["a_file"])
+
+
+def test_compile_onto_a_full_file_system_keeps_the_old_file(tmp_path):
+    out = tmp_path / "out.py"
+    out.write_text("# the module compiled yesterday\n")
+    full_env = user_environment(LRDSL_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run(lrdsl_command() + ["compile", "specs/linear_attn.toml", "-o", str(out)], cwd=ROOT,
+                            env=full_env, capture_output=True, text=True, timeout=600,
+                            preexec_fn=file_size_limit(16 * 1024))
+    assert_one_line_error(result, f"cannot write {out} (File too large)", status=CANNOT_WRITE)
+    assert out.read_text() == "# the module compiled yesterday\n"
+    assert_nothing_written(tmp_path, ["out.py"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory anyway")
+def test_compile_into_a_directory_without_write_permission(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        result = run(["compile", "specs/linear_attn.toml", "-o", str(locked / "out.py")])
+    finally:
+        locked.chmod(0o700)
+    assert_one_line_error(result, "(Permission denied)", status=CANNOT_WRITE)
+    assert_nothing_written(tmp_path, ["locked"])
+
+
+def test_demo_into_a_directory_whose_parent_is_a_file(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    result = run(["demo", "specs/linear_attn.toml", "--output-dir", str(tmp_path / "a_file" / "out"),
+                  "--shape", "1,3,1,1,4,4"])
+    assert_one_line_error(result, f"cannot write {tmp_path / 'a_file' / 'out' / 'linear_attn_ops.py'} (",
+                          status=CANNOT_WRITE)
+    assert_nothing_written(tmp_path, ["a_file"])
+
+
+def test_ctrl_c_during_check_is_one_line_and_status_130():
+    process = subprocess.Popen(lrdsl_command() + ["check", "specs/gdn.toml"], cwd=ROOT, env=user_environment(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stdout:  # interrupt it mid-run: once the first row is out
+            if ROW.match(line):
+                break
+        process.send_signal(signal.SIGINT)
+        status = process.wait(timeout=600)
+        stderr = process.stderr.read()
+    finally:
+        process.kill()
+        process.stdout.close()
+        process.stderr.close()
+    assert (status, stderr) == (130, "lrdsl: interrupted\n")
+
+
+# -- lrdsl cache ---------------------------------------------------------------------------------
+
+def test_cache_info_prune_and_clear(tmp_path, monkeypatch):
+    """A cache holding an entry this lrdsl serves, one another build made, a damaged one, a
+    temporary file a killed writer left (two hours old), one a live writer is filling, and a
+    file that is not lrdsl's: info shows each; prune removes the stale three; clear the rest of
+    lrdsl's entries; the live writer's file and the stranger stay."""
+    from lrdsl.runtime import cache, loader
+
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("LRDSL_CACHE_DIR", str(directory))
+    monkeypatch.setattr(loader, "_loaded", {})
+    import lrdsl
+
+    lrdsl.load(spec_path("linear_attn"))
+    (served,) = directory.glob("linear_attn_*.py")
+    source = loader.generate(spec_path("linear_attn"))[0]
+    other_key = "ab" * 32
+    monkeypatch.setattr(cache, "build_fingerprint", lambda: "0" * 16)  # as another lrdsl writes it
+    (directory / cache.entry_name("linear_attn", other_key)).write_text(cache.entry_text(source, other_key))
+    (directory / "gdn_0123456789abcdef0123.py").write_text(served.read_text()[:1000])  # cut short
+    abandoned = directory / f".{served.name}.k1ll3d.tmp"
+    abandoned.write_text(source[:500])
+    two_hours_ago = time.time() - 7200
+    os.utime(abandoned, (two_hours_ago, two_hours_ago))
+    writing = directory / f".{served.name}.l1v3.tmp"
+    writing.write_text(source[:500])
+    (directory / "notes.txt").write_text("mine")
+    environment = {"LRDSL_CACHE_DIR": str(directory)}
+
+    info = run(["cache", "info"], env=environment)
+    assert info.returncode == 0 and info.stderr == "", info.stderr
+    lines = info.stdout.splitlines()
+    assert lines[0] == f"module cache {directory}"
+    states = {line.split()[0]: line for line in lines[1:] if line.startswith("  ")}
+    assert set(states) == {served.name, f"linear_attn_{other_key[:20]}.py", "gdn_0123456789abcdef0123.py",
+                           abandoned.name, writing.name}
+    assert states[served.name].endswith("served by this lrdsl")
+    assert states[f"linear_attn_{other_key[:20]}.py"].endswith("made by another lrdsl, torch or triton")
+    assert "damaged: truncated or edited" in states["gdn_0123456789abcdef0123.py"]
+    assert states[abandoned.name].endswith("left by a writer that stopped")
+    assert states[writing.name].endswith("being written")
+    assert any(line.startswith("entries: 3 files") for line in lines), lines
+    assert any(line.startswith("stale ") and ": 3 files" in line for line in lines), lines
+
+    prune = run(["cache", "prune"], env=environment)
+    assert prune.returncode == 0 and prune.stdout.startswith("removed 3 files"), prune.stdout + prune.stderr
+    assert sorted(p.name for p in directory.iterdir()) == sorted([served.name, writing.name, "notes.txt"])
+
+    clear = run(["cache", "clear"], env=environment)
+    assert clear.returncode == 0 and clear.stdout.startswith("removed 1 file,"), clear.stdout + clear.stderr
+    assert sorted(p.name for p in directory.iterdir()) == sorted([writing.name, "notes.txt"])
+
+
+def test_cache_info_of_a_cache_not_made_yet(tmp_path):
+    result = run(["cache", "info"], env={"LRDSL_CACHE_DIR": str(tmp_path / "none")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"module cache {tmp_path / 'none'} (not created yet)"
+    assert not (tmp_path / "none").exists()

@@ -91,6 +91,10 @@ OPS_KEY_PLACEHOLDER = "@@LRDSL_OPS_KEY@@"
 
 
 def emit_module(stages: dict, spec_path: str) -> str:
+    """The module's source. `spec_path` only names the spec in an error: the text depends on the
+    spec's contents alone, so `gdn`, `specs/gdn.toml` and an absolute path give the same bytes
+    (one cache key, one entry), and a path the file system accepts but UTF-8 cannot encode
+    (Latin-1 bytes, a non-ASCII name under LC_ALL=C) never reaches the text or its digest."""
     rec: Recurrence = stages["recurrence"]
     plans = stages["save"]
     if isinstance(plans, NoChunkForm):
@@ -116,7 +120,6 @@ def emit_module(stages: dict, spec_path: str) -> str:
     source = render(
         "module.py.jinja",
         spec_name=rec.name,
-        spec_path=spec_path,
         version=__version__,
         recurrence_doc=rec.describe(),
         signatures=signatures,
