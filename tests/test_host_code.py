@@ -3,6 +3,7 @@ and copied verbatim into the generated modules, which import torch and triton on
 from __future__ import annotations
 
 import ast
+import builtins
 
 import pytest
 
@@ -12,26 +13,55 @@ from lrdsl.runtime.loader import generate
 
 from helpers import spec_path
 
-HOST_MODULES = sorted(p.stem for p in HOST_DIR.glob("*.py") if p.stem != "__init__")
+# module_names declares what a generated module defines itself; it is never copied
+HOST_MODULES = sorted(p.stem for p in HOST_DIR.glob("*.py") if p.stem not in ("__init__", "module_names"))
 
 
-@pytest.mark.parametrize("name", HOST_MODULES)
-def test_host_modules_import_only_what_a_generated_module_has(name):
-    """torch, triton and each other (the sibling imports are dropped when copied: one namespace)."""
-    for node in ast.walk(ast.parse((HOST_DIR / f"{name}.py").read_text())):
+def _names_used_but_not_bound(tree: ast.Module) -> set[str]:
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+@pytest.mark.parametrize("name", HOST_MODULES + ["module_names"])
+def test_host_modules_import_only_what_a_generated_module_has_and_bind_every_name(name):
+    """torch, triton and each other (sibling imports are dropped when copied: one namespace),
+    and every name they read is bound by them or imported: a slip fails here, not at emit time."""
+    tree = ast.parse((HOST_DIR / f"{name}.py").read_text())
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             assert all(a.name.split(".")[0] in ("torch", "triton") for a in node.names), ast.unparse(node)
         elif isinstance(node, ast.ImportFrom):
-            sibling = node.level == 1 and node.module in HOST_MODULES
+            sibling = node.level == 1 and node.module in HOST_MODULES + ["module_names"]
             assert sibling or (node.level == 0 and node.module.split(".")[0] in ("torch", "triton")), ast.unparse(node)
-            assert "from ." not in host_code(name)
+    assert not _names_used_but_not_bound(tree)
 
 
 @pytest.mark.parametrize("spec", ["gdn", "linear_attn"])
 def test_generated_modules_carry_the_host_code_verbatim(spec):
     source, _ = generate(spec_path(spec))
     for name in HOST_MODULES:
-        assert host_code(name).rstrip("\n") in source, name
+        code = host_code(name)
+        assert code in source and "import" not in code.split("\n", 1)[0], name
+
+
+def test_host_code_is_importable_and_runs_as_written():
+    """The checks and state helpers, imported from their real module (the names a generated
+    module defines itself from module_names): a state row's dims, and a refusal in one line."""
+    from lrdsl.codegen.host import checks, module_names
+
+    assert checks._state_dims(4, 8, 16, state_v_first=False) == (4, 8, 16)
+    assert checks._state_dims(4, 8, 16, state_v_first=True) == (4, 16, 8)
+    with pytest.raises(module_names.InputError, match=r"^host\.chunk: state_v_first must be True or False, got 1$"):
+        checks._check_layout("chunk", 1)
 
 
 TABLES = {
@@ -71,3 +101,12 @@ def test_the_launch_rule_overlays_its_tables_in_order():
     assert launch("output", small_chunk=True, replaced={"num_warps": 1}) == {"BV": 128, "num_warps": 1, "num_stages": 3}
     assert launch("output", small_chunk=True, V=40)["BV"] == 64
     assert launch("output", wide_k=True, V=8)["BV"] == SMALLEST_DOT_TILE
+
+
+def test_every_template_varies_per_spec():
+    """A template without a single tag is host code kept as text: it belongs in lrdsl/codegen/host/."""
+    from lrdsl.codegen.templating import TEMPLATE_DIR
+
+    for template in TEMPLATE_DIR.glob("*.jinja"):
+        text = template.read_text()
+        assert "{{" in text or "{%" in text, f"{template.name} has no tag: make it a host module"

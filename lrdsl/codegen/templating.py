@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ast
-import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -10,7 +9,6 @@ import jinja2
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 HOST_DIR = Path(__file__).parent / "host"
-_SIBLING_IMPORT = re.compile(r"from \.\w* import [\w, ]+\n")
 
 
 @lru_cache(maxsize=1)
@@ -37,11 +35,16 @@ def indent(lines: list[str], spaces: int) -> str:
 @lru_cache(maxsize=None)
 def host_code(module: str) -> str:
     """The code of host module `module` (lrdsl/codegen/host/<module>.py) as a generated module
-    carries it: the file after its docstring, without the imports of sibling host modules (one
-    namespace there) and the blank lines that follow them, ending in one newline."""
+    carries it: the file after its docstring and its imports (torch and triton, which the
+    generated module imports itself, and the sibling host modules, which are its own code there),
+    without leading or trailing blank lines. Imports come first in a host module, nowhere else."""
     text = (HOST_DIR / f"{module}.py").read_text(encoding="utf-8")
-    docstring = ast.parse(text).body[0]
+    tree = ast.parse(text)
+    docstring, *body = tree.body
     if not (isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)):
         raise ValueError(f"host module {module} has no docstring")
-    body = "".join(text.splitlines(keepends=True)[docstring.end_lineno:])
-    return _SIBLING_IMPORT.sub("", body).lstrip("\n")
+    imports = [node for node in body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    if body[:len(imports)] != imports:
+        raise ValueError(f"host module {module}: imports come first, before any code")
+    start = imports[-1].end_lineno if imports else docstring.end_lineno
+    return "".join(text.splitlines(keepends=True)[start:]).strip("\n")

@@ -7,6 +7,7 @@ this same function on the same tables, so the estimate rates the launches the mo
 tables are plain dicts here ({"BV", "num_warps", "num_stages"[, "maxnreg"]} per role), rendered
 from the typed ones of codegen/launch.py.
 """
+from .helpers import _next_power_of_2
 # tl.dot on NVIDIA GPUs needs every dimension >= 16 (the interpreter takes any): key and value
 # tiles are at least this wide, their columns past K or V masked to 0.
 SMALLEST_DOT_TILE = 16
@@ -47,6 +48,5 @@ def resolve_launch(tables, role, *, precision, wide_k, wide_inputs, small_chunk,
             if scan_programs(settings["BV"]) < multiprocessors // 2:
                 settings.update(tables["launch_fewer_programs"][role])
     settings.update(replaced or {})
-    widest = 1 << (V - 1).bit_length()  # V rounded up to a power of two
-    settings["BV"] = max(SMALLEST_DOT_TILE, min(widest, settings["BV"]))
+    settings["BV"] = max(SMALLEST_DOT_TILE, min(_next_power_of_2(V), settings["BV"]))
     return settings
