@@ -1,3 +1,7 @@
+"""Integer helpers of the host code, and the refusal of second derivatives every backward shares."""
+import torch
+
+
 def _cdiv(a, b):
     """ceil(a / b) of non-negative ints. triton.cdiv and triton.next_power_of_2 are constexpr
     functions: called from Python they cost microseconds each, which a decode step pays per launch."""
@@ -7,7 +11,6 @@ def _cdiv(a, b):
 def _next_power_of_2(n):
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
-
 
 
 class SecondDerivativeError(RuntimeError):
