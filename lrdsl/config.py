@@ -2,6 +2,9 @@
 
 LRDSL_CACHE_DIR   where compiled modules are cached (default: $XDG_CACHE_HOME/lrdsl or ~/.cache/lrdsl)
 LRDSL_DUMP        a directory: every generated module is also written there, named by spec and key
+LRDSL_VERIFY      "0" turns off the IR verifier that `lrdsl.load` (on a cache miss) and `lrdsl compile`
+                  run after every pass (on by default: it costs 5-45 ms per spec on a CPU, the
+                  pipeline itself 2-12 ms; emitting the module costs more than both)
 TRITON_INTERPRET  Triton's own switch; lrdsl turns it on when there is no GPU so kernels run on the CPU
 LRDSL_FUZZ_EXAMPLES  examples per test of the spec fuzzer (tests/test_fuzz_specs.py), drawn afresh each
                   run; unset: the bounded, fixed-seed run of CI
@@ -24,6 +27,11 @@ def cache_dir() -> Path:
 def dump_dir() -> Path | None:
     value = os.environ.get("LRDSL_DUMP")
     return Path(value).expanduser() if value else None
+
+
+def verify_ir() -> bool:
+    """Whether lrdsl.load and lrdsl compile verify every stage the passes produce (LRDSL_VERIFY)."""
+    return os.environ.get("LRDSL_VERIFY", "1").strip() != "0"
 
 
 def interpreting() -> bool:

@@ -10,6 +10,7 @@ spec that lrdsl writes and compiles on first use (then caches), so every combina
 kernels generated for exactly it, none hand-written:
 
     use_gate_in_kernel (with A_log, dt_bias)   log_decay = -exp(A_log) * softplus(g + dt_bias)
+    ... and lower_bound (KDA)                  log_decay = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
     use_beta_sigmoid_in_kernel                 beta = sigmoid(beta)
     allow_neg_eigval (with the above)          beta = 2 * sigmoid(beta)
     g=None (fused_recurrent_gated_delta_rule)  no decay
@@ -52,13 +53,17 @@ DECAYS = {
 }
 
 
-def spec_text(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "scalar") -> tuple[str, str]:
+def spec_text(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "scalar",
+              lower_bound: float | None = None, has_A_log: bool = True) -> tuple[str, str]:
     """(name, TOML text) of the spec FLA's flags describe.
 
     gate: "log" (g is the natural-log decay), "in_kernel" (g is the raw gate projection, with
     A_log and optionally dt_bias) or "none" (no decay). beta: "given", "sigmoid" or "2sigmoid".
     decay: "scalar" (one decay per token and value head, gated delta rule) or "key_channel" (one
-    per key channel too, KDA: g and dt_bias then carry a key-channel axis).
+    per key channel too, KDA: g and dt_bias then carry a key-channel axis). lower_bound (with
+    gate "in_kernel"): FLA's bounded gate lower_bound * sigmoid(exp(A_log) * (g + dt_bias)),
+    without A_log (has_A_log=False) lower_bound * sigmoid(g + dt_bias); the number is written into
+    the formula, so each value is a spec of its own.
     """
     if decay not in DECAYS:
         raise ValueError(f"unknown decay kind {decay!r}")
@@ -69,6 +74,15 @@ def spec_text(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "sca
     if gate == "log":
         inputs.append(("g", g_role))
         formulas.append(("log_decay", "g"))
+    elif gate == "in_kernel" and lower_bound is not None:
+        inputs.append(("g", g_role))
+        argument = "g + dt_bias" if has_dt_bias else "g"
+        argument = f"exp(A_log) * ({argument})" if has_A_log else argument
+        bound = repr(float(lower_bound))
+        formulas.append(("log_decay", f"{bound} * sigmoid({argument})"))
+        # the bound in the name as an identifier: -5.0 -> m5p0, -1e-05 -> m1em05
+        spelled = bound.replace("-", "m").replace(".", "p").replace("+", "")
+        name.append(f"gate_lower_bound_{spelled}" + ("_dt_bias" if has_dt_bias else "") + ("" if has_A_log else "_no_A_log"))
     elif gate == "in_kernel":
         inputs.append(("g", g_role))
         argument = "g + dt_bias" if has_dt_bias else "g"
@@ -86,7 +100,8 @@ def spec_text(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "sca
     if beta != "given":
         name.append("beta_" + beta)
     if gate == "in_kernel":
-        inputs.append(("A_log", "head"))
+        if has_A_log or lower_bound is None:
+            inputs.append(("A_log", "head"))
         if has_dt_bias:
             inputs.append(("dt_bias", dt_bias_role))
     spec_name = "_".join(name)
@@ -109,17 +124,19 @@ def spec_text(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "sca
     return spec_name, "\n".join(lines)
 
 
-_modules: dict[tuple[str, str, bool, str], object] = {}
+_modules: dict[tuple, object] = {}
 
 
-def spec_module(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "scalar"):
-    """The generated module of spec_text(gate, beta, has_dt_bias, decay): the spec is written to
-    the module cache directory and compiled through lrdsl.load (both cached)."""
-    wanted = (gate, beta, has_dt_bias, decay)
+def spec_module(gate: str, beta: str, has_dt_bias: bool = False, decay: str = "scalar",
+                lower_bound: float | None = None, has_A_log: bool = True):
+    """The generated module of spec_text(gate, beta, has_dt_bias, decay, lower_bound, has_A_log):
+    the spec is written to the module cache directory and compiled through lrdsl.load (both
+    cached)."""
+    wanted = (gate, beta, has_dt_bias, decay, lower_bound, has_A_log)
     if wanted not in _modules:
         from . import load
 
-        name, text = spec_text(gate, beta, has_dt_bias, decay)
+        name, text = spec_text(gate, beta, has_dt_bias, decay, lower_bound, has_A_log)
         path = config.cache_dir() / "specs" / f"{name}.toml"
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             atomic_write(path, text)
@@ -156,19 +173,21 @@ def _reject_unknown(fn: str, kwargs: dict, known: tuple[str, ...]) -> None:
         _fail(fn, f"option {unknown[0]!r} is not supported (supported keyword options: {', '.join(known)})")
 
 
-def _formula_flags(fn: str, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval):
-    """(gate kind, beta kind, has dt_bias, the head inputs to pass after g and beta)."""
+def _formula_flags(fn: str, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                   lower_bound=None):
+    """(gate kind, beta kind, has dt_bias, the head inputs to pass after g and beta). lower_bound
+    (KDA's bounded gate) lets A_log be None, as in FLA."""
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         _fail(fn, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     beta = ("2sigmoid" if allow_neg_eigval else "sigmoid") if use_beta_sigmoid_in_kernel else "given"
     if not use_gate_in_kernel:
-        # as in FLA, A_log and dt_bias are read only with use_gate_in_kernel
+        # as in FLA, A_log, dt_bias and lower_bound are read only with use_gate_in_kernel
         return ("none" if g is None else "log"), beta, False, ()
     if g is None:
         _fail(fn, "use_gate_in_kernel=True needs g (the raw gate before its activation)")
-    if A_log is None:
-        _fail(fn, "use_gate_in_kernel=True needs A_log [HV]")
-    heads = (A_log,) if dt_bias is None else (A_log, dt_bias)
+    if A_log is None and lower_bound is None:
+        _fail(fn, "use_gate_in_kernel=True needs A_log [HV]" + (" (or lower_bound)" if fn.endswith("kda") else ""))
+    heads = tuple(x for x in (A_log, dt_bias) if x is not None)
     return "in_kernel", beta, dt_bias is not None, heads
 
 
@@ -223,6 +242,7 @@ def chunk_gated_delta_rule(
         use_beta_sigmoid_in_kernel, allow_neg_eigval)
     module = spec_module(gate, beta_kind, has_dt_bias)
     chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q)
+    heads = _head_inputs(fn, kwargs.get("A_log"), kwargs.get("dt_bias"), v, g) if heads else ()
     extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
     return module.chunk(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -269,6 +289,7 @@ def fused_recurrent_gated_delta_rule(
     if beta is None and isinstance(v, torch.Tensor) and v.dim() == 4:
         beta = torch.ones(v.shape[:3], dtype=v.dtype, device=v.device)
     module = spec_module(gate, beta_kind, has_dt_bias)
+    heads = _head_inputs(fn, A_log, dt_bias, v, g) if heads else ()
     extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
     return module.recurrent(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -279,8 +300,6 @@ def fused_recurrent_gated_delta_rule(
 # What each FLA option lrdsl does not implement would do, for its one-line refusal. The option's
 # default (False / None) is what lrdsl computes anyway, so that value is accepted silently.
 _UNSUPPORTED = {
-    "safe_gate": "safe_gate (gates bounded for M=16 tensor-core kernels) is not supported",
-    "lower_bound": "lower_bound (the bounded gate lower_bound * sigmoid(...)) is not supported",
     "return_intermediate_states": "return_intermediate_states (the per-chunk states h) is not supported",
     "cp_context": "cp_context (context parallelism) is not supported",
     "use_graph": "use_graph (FLA's fixed-shape varlen chunk list for graph capture) is not supported",
@@ -310,18 +329,48 @@ def _save_policy(fn: str, disable_recompute) -> str | None:
     return None if torch.compiler.is_compiling() else "save_states"
 
 
-def _key_channel_heads(fn: str, heads: tuple, g) -> tuple:
-    """(A_log, dt_bias as [HV, K]) from FLA's flat dt_bias [HV * K] (a view, so its gradient
-    comes back flat); A_log [HV] as given."""
-    if len(heads) < 2 or not isinstance(heads[1], torch.Tensor) or not isinstance(g, torch.Tensor) or g.dim() != 4:
-        return heads  # the module names any wrong tensor itself
-    A_log, dt_bias = heads
-    HV, K = g.shape[2], g.shape[3]
-    if dt_bias.dim() == 2 and tuple(dt_bias.shape) == (HV, K):
-        return heads
-    if dt_bias.dim() != 1 or dt_bias.numel() != HV * K:
-        _fail(fn, f"dt_bias must be [HV * K] = [{HV * K}] (or [HV, K]), got {list(dt_bias.shape)}")
-    return A_log, dt_bias.view(HV, K)
+def _head_inputs(fn: str, A_log, dt_bias, v, g, decay: str = "scalar") -> tuple:
+    """(A_log as [HV], dt_bias as [HV] or, KDA's, [HV, K]), those given, in FLA's shapes: any shape
+    with their number of elements (A_log [1, 1, HV, 1], dt_bias flat [HV * K]), as FLA's kernels
+    read them flat. Reshaped views where possible, so gradients come back in the given shapes."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 4:
+        return tuple(x for x in (A_log, dt_bias) if x is not None)  # the module names the wrong tensor
+    HV = v.shape[2]
+    heads = []
+    if isinstance(A_log, torch.Tensor) and A_log.dim() != 1 and A_log.numel() == HV:
+        A_log = A_log.reshape(HV)
+    if A_log is not None:
+        heads.append(A_log)
+    if isinstance(dt_bias, torch.Tensor):
+        if decay == "key_channel" and isinstance(g, torch.Tensor) and g.dim() == 4:
+            K = g.shape[3]
+            if dt_bias.numel() != HV * K:
+                _fail(fn, f"dt_bias must be [HV * K] = [{HV * K}] (or [HV, K]), got {list(dt_bias.shape)}")
+            dt_bias = dt_bias.reshape(HV, K)
+        elif decay == "scalar" and dt_bias.dim() != 1 and dt_bias.numel() == HV:
+            dt_bias = dt_bias.reshape(HV)
+    if dt_bias is not None:
+        heads.append(dt_bias)
+    return tuple(heads)
+
+
+def _bounded_gate(fn: str, use_gate_in_kernel, safe_gate, lower_bound) -> float | None:
+    """FLA's lower_bound as the number the gate formula uses (None: the softplus gate), checked as
+    FLA checks it. It applies only with use_gate_in_kernel (else g is the decay itself, as in FLA).
+    safe_gate selects FLA's kernels for gates bounded below (lrdsl's take any gate): with
+    use_gate_in_kernel FLA requires a lower_bound in [-5, 0) then, and so does this."""
+    if not isinstance(safe_gate, bool):
+        _fail(fn, f"safe_gate must be True or False, got {safe_gate!r}")
+    if not use_gate_in_kernel:
+        return None
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))
+                                    or not -float("inf") < lower_bound < 0):
+        _fail(fn, f"lower_bound must be a finite negative number (the gate's least log decay), got {lower_bound!r}")
+    if safe_gate and lower_bound is None:
+        _fail(fn, "safe_gate=True with use_gate_in_kernel=True needs lower_bound (as in FLA)")
+    if safe_gate and not -5 <= lower_bound < 0:
+        _fail(fn, f"safe_gate=True needs lower_bound in [-5, 0) (as in FLA), got {lower_bound!r}")
+    return None if lower_bound is None else float(lower_bound)
 
 
 _KDA_CHUNK_KEYWORDS = ("chunk_size", "A_log", "dt_bias")
@@ -357,33 +406,39 @@ def chunk_kda(
     g, beta, initial_state, A_log, dt_bias.
 
     Keyword options as in FLA: chunk_size (16, 32, 64; default: the largest whose kernels fit,
-    64, or 32 at K > 128), A_log [HV] and dt_bias [HV * K] with use_gate_in_kernel=True (g is then
-    the raw gate of -exp(A_log) * softplus(g + dt_bias)). state_v_first=True: initial and final
-    states [N, HV, V, K]. disable_recompute=True keeps every forward buffer the backward reads, so
-    it re-runs no forward kernel (chunk()'s save_policy="save"; more memory, the same gradients;
-    eager only: under torch.compile chunk() keeps nothing for its backward). safe_gate,
-    lower_bound, return_intermediate_states, cp_context, use_graph and max_num_seqs are not
-    supported: anything but their defaults raises.
+    64, or 32 at K > 128), A_log (HV elements, any shape: [HV], [1, 1, HV, 1]) and dt_bias
+    ([HV * K] or any shape of HV * K elements) with use_gate_in_kernel=True (g is then the raw gate
+    of -exp(A_log) * softplus(g + dt_bias); with lower_bound the bounded gate lower_bound *
+    sigmoid(exp(A_log) * (g + dt_bias)), A_log optional there: lower_bound * sigmoid(g +
+    dt_bias)). safe_gate selects FLA's kernels for bounded gates, the same result: accepted, with
+    FLA's checks (with use_gate_in_kernel it needs lower_bound in [-5, 0)). state_v_first=True:
+    initial and final states [N, HV, V, K]. disable_recompute=True keeps every forward buffer the
+    backward reads, so it re-runs no forward kernel (chunk()'s save_policy="save"; more memory,
+    the same gradients; eager only: under torch.compile chunk() keeps nothing for its backward).
+    return_intermediate_states, cp_context, use_graph and max_num_seqs are not supported:
+    anything but their defaults raises.
     """
     fn = "chunk_kda"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _KDA_CHUNK_KEYWORDS)
-    _reject_unsupported(fn, safe_gate=safe_gate, lower_bound=lower_bound,
-                        return_intermediate_states=return_intermediate_states, cp_context=cp_context,
+    _reject_unsupported(fn, return_intermediate_states=return_intermediate_states, cp_context=cp_context,
                         use_graph=use_graph, max_num_seqs=max_num_seqs)
+    bound = _bounded_gate(fn, use_gate_in_kernel, safe_gate, lower_bound)
     save_policy = _save_policy(fn, disable_recompute)
     if g is None:
         _fail(fn, "g [B, T, HV, K] is required (KDA decays per key channel)")
     chunk_size = kwargs.get("chunk_size")
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
         _fail(fn, f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
+    A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     gate, beta_kind, has_dt_bias, heads = _formula_flags(
-        fn, g, use_gate_in_kernel, kwargs.get("A_log"), kwargs.get("dt_bias"), use_beta_sigmoid_in_kernel,
-        allow_neg_eigval)
-    module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel")
+        fn, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, bound)
+    module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel", lower_bound=bound,
+                         has_A_log=A_log is not None)
     chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
+    heads = _head_inputs(fn, A_log, dt_bias, v, g, "key_channel") if heads else ()
     return module.chunk(
-        q, k, v, g, beta, *_key_channel_heads(fn, heads, g), scale=scale, initial_state=initial_state,
+        q, k, v, g, beta, *heads, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         chunk_size=chunk_size, chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy,
     )
@@ -412,20 +467,23 @@ def fused_recurrent_kda(
     """FLA's fused_recurrent_kda on lrdsl's token-by-token kernel (decode): (o [B, T, HV, V],
     final state [N, HV, K, V] fp32 or None). g [B, T, HV, K]; with use_gate_in_kernel=True the raw
     gate of -exp(A_log) * softplus(g + dt_bias), A_log [HV], dt_bias [HV * K] (as chunk_kda's).
-    state_v_first=True: initial and final states [N, HV, V, K]. lower_bound is not supported.
-    Unlike FLA's, it is differentiable (the backward is the chunked one).
+    lower_bound with use_gate_in_kernel=True: the bounded gate, as chunk_kda's. state_v_first=True:
+    initial and final states [N, HV, V, K]. Unlike FLA's, it is differentiable (the backward is
+    the chunked one).
     """
     fn = "fused_recurrent_kda"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, ())
-    _reject_unsupported(fn, lower_bound=lower_bound)
+    bound = _bounded_gate(fn, use_gate_in_kernel, False, lower_bound)
     if g is None:
         _fail(fn, "g [B, T, HV, K] is required (KDA decays per key channel)")
     gate, beta_kind, has_dt_bias, heads = _formula_flags(
-        fn, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel")
+        fn, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, bound)
+    module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel", lower_bound=bound,
+                         has_A_log=A_log is not None)
+    heads = _head_inputs(fn, A_log, dt_bias, v, g, "key_channel") if heads else ()
     return module.recurrent(
-        q, k, v, g, beta, *_key_channel_heads(fn, heads, g), scale=scale, initial_state=initial_state,
+        q, k, v, g, beta, *heads, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         state_v_first=state_v_first,
     )

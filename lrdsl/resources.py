@@ -229,8 +229,8 @@ def parse_launch(text: str, roles) -> dict[str, dict[str, int]]:
 
 
 class _LaunchOverride:
-    """Replaces the launch settings the module's _launch picks for some roles (BV clamped as the
-    module clamps it: at least the smallest matmul tile, at most V rounded up to a power of 2)."""
+    """Replaces the launch settings the module's _launch picks for some roles: they go to the
+    module's own launch rule as its last overlay (`replaced`), which clamps BV as for any launch."""
 
     def __init__(self, module, settings: dict[str, dict[str, int]] | None):
         self.module, self.settings = module, settings or {}
@@ -240,12 +240,7 @@ class _LaunchOverride:
         self._launch = chosen = module._launch
 
         def launch(role, c, *args, **kwargs):
-            result = chosen(role, c, *args, **kwargs)
-            if role not in settings:
-                return result
-            result = {**result, **settings[role]}
-            result["BV"] = max(module.SMALLEST_DOT_TILE, min(module._next_power_of_2(c["V"]), result["BV"]))
-            return result
+            return chosen(role, c, *args, replaced=settings.get(role), **kwargs)
 
         module._launch = launch
         return self

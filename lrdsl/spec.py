@@ -122,7 +122,8 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     for name_, role_text in inputs_table.items():
         key = f"inputs.{name_}"
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name_):
-            raise fail(key, "an input name must be a Python identifier")
+            # ASCII only: the name reaches generated kernels, custom-op schemas and C launchers
+            raise fail(key, f"an input name must be ASCII letters, digits and '_', not starting with a digit, got {name_!r}")
         reserved = reserved_input_name(name_)
         if reserved is not None:
             raise fail(key, f"the name {name_!r} is reserved ({reserved}); choose another")

@@ -115,12 +115,6 @@ def test_save_states_keeps_the_entry_states_of_the_rerun_scan(name):
         verify(dataclasses.replace(item, policies=(broken,)))
 
 
-def test_backward_golden_dumps(golden):
-    st = stages("gdn")
-    golden("gdn.backward.txt", st["backward"].describe() + "\n")
-    golden("gdn.save.txt", st["save"].describe() + "\n")
-
-
 def test_backward_reads_the_forward_buffers_instead_of_solving():
     st = stages("gdn")
     reads = st["save"].reads

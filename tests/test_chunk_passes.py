@@ -27,17 +27,6 @@ def program(name):
     return derive_chunk(recurrence(name))
 
 
-@pytest.mark.parametrize("stage", ["chunk", "stages", "plan"])
-def test_gdn_chunk_golden_dumps(stage, golden):
-    from lrdsl.passes.pipeline import run_pipeline
-    from lrdsl.spec import load_spec
-
-    from helpers import spec_path
-
-    text = run_pipeline(load_spec(spec_path("gdn")), until=stage)[stage].describe() + "\n"
-    golden(f"gdn.{stage}.txt", text)
-
-
 def test_dplr_update_solves_for_its_two_vector_sets():
     """rwkv7: the low-rank term's system T = (I - A_ab)^-1 over a and b, products of an exclusive
     row decay with the inclusive column decay (the term reads the state before the step's

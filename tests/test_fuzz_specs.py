@@ -472,3 +472,69 @@ def test_broken_toml_names_its_line(tmp_path):
     path.write_text('name = "x"\n[recurrence]\nupdate = "delta\ngate = "none"\n')
     with pytest.raises(SpecError, match=rf"^{re.escape(str(path))}:3: invalid TOML: "):
         load_spec(path)
+
+
+# -- calls without gradients, and second derivatives (issue 43) --------------------------------------
+
+EDGE_EXAMPLES = 8  # per CI run; each compiles a module and runs two kernel calls
+GRAD_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+
+
+@dataclass(frozen=True)
+class EdgeCall:
+    kernel: str  # "chunk" or "recurrent"
+    mode: str  # a key of GRAD_MODES
+    chunks: str  # packed calls of chunk(): "cu_seqlens" alone, "prepare_varlen", "host_copy" (cu_seqlens_cpu)
+    wrt: int  # which tensor (q, k, v, the inputs) the second derivative is asked of
+    seed: int = field(repr=False)
+
+
+@st.composite
+def edge_calls(draw) -> EdgeCall:
+    return EdgeCall(draw(st.sampled_from(["chunk", "recurrent"])), draw(st.sampled_from(sorted(GRAD_MODES))),
+                    draw(st.sampled_from(["cu_seqlens", "prepare_varlen", "host_copy"])), draw(st.integers(0, 7)),
+                    draw(st.integers(0, 2**31 - 1)))
+
+
+@fuzz_settings(EDGE_EXAMPLES)
+@given(spec=valid_specs(), case=cases(), edge=edge_calls())
+def test_valid_specs_without_gradients_and_second_derivatives(spec, case, edge, tmp_path, generator, device):
+    """A call on tensors made under inference_mode or no_grad matches the oracle (packed ones with
+    their chunks prepared as drawn); a second derivative (create_graph=True, a constant cotangent)
+    is refused in one line."""
+    from lrdsl import reference  # imported here: this section merges apart from the file's other draws
+    from lrdsl.workloads import relative_error
+
+    text = toml_text(spec.document())
+    note(text)
+    path = tmp_path / "fuzz.toml"
+    path.write_text(text)
+    rec = valid_recurrence(path)
+    data = torch.Generator().manual_seed(generator.initial_seed() ^ edge.seed)
+    call, shape = case.call, case.call.shape
+    tensors = make_inputs(rec, shape, generator=data)
+    assume(in_range(rec, tensors, shape.HV))
+    mod = lrdsl.load(path)
+    h0 = torch.randn(call.N, shape.HV, shape.K, shape.V, generator=data) if call.h0 else None
+    cu = torch.tensor(call.bounds, dtype=torch.int32) if call.bounds else None
+    options = dict(scale=call.scale, output_final_state=True, use_qk_l2norm_in_kernel=call.l2norm)
+    size = min(case.chunk_size, mod.largest_chunk_size(shape.K, dtype=tensors[0].dtype))
+
+    with GRAD_MODES[edge.mode]():
+        inside = [t.to(device).clone() for t in tensors]
+        cu_inside = cu.to(device).clone() if cu is not None else None
+        chunks = {}
+        if edge.kernel == "chunk" and cu is not None and edge.chunks != "cu_seqlens":
+            host = cu.clone() if edge.chunks == "host_copy" else None
+            chunks = dict(chunk_size=size, chunk_indices=mod.prepare_varlen(cu_inside, size, cu_seqlens_cpu=host))
+        o, ht = getattr(mod, edge.kernel)(*inside, initial_state=h0.to(device).clone() if h0 is not None else None,
+                                          cu_seqlens=cu_inside, **options, **chunks)
+    ref_o, ref_ht = reference.run(rec, *tensors, initial_state=h0, cu_seqlens=cu, **options)
+    assert_errors({"o": relative_error(o, ref_o), "ht": relative_error(ht, ref_ht)}, LIMIT, f"{edge.kernel} under {edge.mode}")
+
+    leaves = [t.to(device).requires_grad_() for t in tensors]
+    o, _ = getattr(mod, edge.kernel)(*leaves, cu_seqlens=cu.to(device) if cu is not None else None, **options)
+    cotangent = torch.randn(o.shape, generator=data).to(device)  # constant: requires no grad
+    with pytest.raises(RuntimeError, match=r"second derivatives are not supported") as refusal:
+        torch.autograd.grad(o, leaves[edge.wrt % len(leaves)], cotangent, create_graph=True)
+    assert "\n" not in str(refusal.value)

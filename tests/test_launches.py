@@ -281,3 +281,51 @@ def test_solve_merges_take_three_tf32_passes_only_for_16_bit_inputs_on_a_gpu(nam
     for kernel, solves in zip(kernels, solving):
         assert ("SOLVE_PRECISION: tl.constexpr" in kernel) == solves
         assert ("input_precision=SOLVE_PRECISION" in kernel) == solves
+
+
+def test_the_chunk_size_estimate_rates_the_launches_the_module_runs(monkeypatch):
+    """One launch rule: for every shipped spec, plan (forward and backward), precision and chunk
+    size, each kernel the chunk-size estimate rates is rated at the value columns the generated
+    module's _launch gives it for the call the estimate describes (K = V = 128, bf16, HV = H), and
+    launch_for gives the module's every setting. (The estimate used to overlay only the fp32
+    table on the base one: gdn's backward output kernel at C = 32, which the module runs on 128
+    value columns, was rated at 64.)"""
+    from lrdsl.codegen import launch
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec
+    from lrdsl.specs_registry import shipped_spec_names
+
+    from helpers import spec_path
+
+    rated = []
+    real_peak = launch.peak_tile_bytes
+
+    def recording(ctx, chunk, head_dim, block_v, operand_bytes=2):
+        role = ("bwd_" if ctx.prog.direction == "backward" else "") + ctx.kernel.name
+        rated.append((role, chunk, operand_bytes, block_v))
+        return real_peak(ctx, chunk, head_dim, block_v, operand_bytes)
+
+    monkeypatch.setattr(launch, "peak_tile_bytes", recording)
+    precisions = {bytes_: precision for precision, bytes_ in launch.PRECISION_OPERAND_BYTES.items()}
+    for name in shipped_spec_names():
+        item = run_pipeline(load_spec(spec_path(name)))["save"]
+        mod = module(name)
+
+        def module_launch(role, chunk, precision):
+            call = dict(precision=precision, K=128, V=128, N=4, H=16, HV=16, BT=chunk, q=torch.empty(0, dtype=torch.bfloat16))
+            return mod._launch(role, call)
+
+        rated.clear()
+        assert mod.BACKWARD_CHUNK_SIZE == launch.backward_chunk_sizes(item)
+        assert mod.FORWARD_CHUNK_SIZE == launch.forward_chunk_sizes(item)
+        assert {role for role, *_ in rated} >= {"bwd_output", "output"}
+        for role, chunk, operand_bytes, block_v in rated:
+            assert block_v == module_launch(role, chunk, precisions[operand_bytes])["BV"], (name, role, chunk)
+
+        tables, largest = launch.launch_tables(item), launch.largest_chunk_sizes(item)
+        for role in mod.CHUNK_LAUNCH:
+            for precision in mod.PRECISIONS:
+                for chunk in mod.CHUNK_SIZES:
+                    facts = launch.estimate_facts(precision, chunk, largest[precision, False])
+                    expected = module_launch(role, chunk, precision)
+                    assert launch.launch_for(tables, role, **facts).render() == expected, (name, role, precision, chunk)

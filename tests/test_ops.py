@@ -355,3 +355,21 @@ def test_fused_recurrent_state_v_first_against_the_oracle(generator, device, gat
     assert ht.shape == (2, 2, 8, 16)
     assert relative_error(o, o_ref) <= TOL
     assert relative_error(ht, ht_ref.transpose(-1, -2)) <= TOL
+
+
+def test_A_log_in_any_shape_with_HV_elements(generator, device):
+    """chunk_gated_delta_rule with A_log [1, 1, HV, 1] and dt_bias [HV, 1] (FLA reads both flat):
+    outputs against the oracle, gradients in the shapes given."""
+    tensors = make_inputs(generator, "in_kernel_dt_bias", "sigmoid")
+    tensors["A_log"], tensors["dt_bias"] = tensors["A_log"].reshape(1, 1, 2, 1), tensors["dt_bias"].reshape(2, 1)
+    x = leaves(tensors, device)
+    o, ht = call_chunk(x, "in_kernel_dt_bias", "sigmoid", chunk_size=16)
+    x_ref = leaves(tensors)
+    flat = dict(x_ref, A_log=x_ref["A_log"].reshape(2), dt_bias=x_ref["dt_bias"].reshape(2))
+    (o_ref, ht_ref), _ = oracle(flat, "in_kernel_dt_bias", "sigmoid", output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert relative_error(o, o_ref) <= TOL and relative_error(ht, ht_ref) <= TOL
+    do = torch.randn(o.shape, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad(o, [x["A_log"], x["dt_bias"]], do.to(device, torch.float32))
+    expected = torch.autograd.grad(o_ref, [x_ref["A_log"], x_ref["dt_bias"]], do)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape and relative_error(a, b) <= TOL

@@ -75,15 +75,21 @@ def flags(gate, beta):
                 allow_neg_eigval=beta == "2sigmoid")
 
 
-def oracle(tensors, gate, beta, **options):
-    """FLA's formulas in float64, then the plain key-channel delta rule through lrdsl.reference."""
+def oracle(tensors, gate, beta, lower_bound=None, **options):
+    """FLA's formulas in float64, then the plain key-channel delta rule through lrdsl.reference.
+    lower_bound: FLA's bounded gate lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (without
+    A_log: lower_bound * sigmoid(g + dt_bias))."""
     t = {name: x.double() for name, x in tensors.items()}
     beta_value = {"given": t["beta"], "sigmoid": torch.sigmoid(t["beta"]), "2sigmoid": 2 * torch.sigmoid(t["beta"])}[beta]
     g = t["g"]
     if gate != "log":
         HV, K = g.shape[2], g.shape[3]
-        bias = t["dt_bias"].view(HV, K) if "dt_bias" in t else 0.0
-        g = -torch.exp(t["A_log"]).view(HV, 1) * F.softplus(g + bias)
+        bias = t["dt_bias"].reshape(HV, K) if "dt_bias" in t else 0.0
+        A = torch.exp(t["A_log"]).reshape(HV, 1) if "A_log" in t else 1.0
+        if lower_bound is None:
+            g = -A * F.softplus(g + bias)
+        else:
+            g = lower_bound * torch.sigmoid(A * (g + bias))
     return reference.run(resolve_spec("kda"), t["q"], t["k"], t["v"], g, beta_value,
                          initial_state=t["initial_state"], **options)
 
@@ -245,9 +251,13 @@ def test_unsupported_options_raise(generator, device):
     x = on(device, tensors)
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
     chunk, recurrent = ops.chunk_kda, ops.fused_recurrent_kda
+    gated = dict(use_gate_in_kernel=True, A_log=torch.zeros(2))
     cases = [
-        (lambda: chunk(q, k, v, g, beta, safe_gate=True), r"safe_gate .* is not supported, got safe_gate=True"),
-        (lambda: chunk(q, k, v, g, beta, lower_bound=-5.0), r"lower_bound .* is not supported, got lower_bound=-5.0"),
+        (lambda: chunk(q, k, v, g, beta, safe_gate=True, **gated), r"safe_gate=True .* needs lower_bound \(as in FLA\)"),
+        (lambda: chunk(q, k, v, g, beta, safe_gate=True, lower_bound=-6.0, **gated),
+         r"safe_gate=True needs lower_bound in \[-5, 0\) \(as in FLA\), got -6.0"),
+        (lambda: chunk(q, k, v, g, beta, lower_bound=0.5, **gated), "lower_bound must be a finite negative number"),
+        (lambda: chunk(q, k, v, g, beta, safe_gate="yes"), "safe_gate must be True or False"),
         (lambda: chunk(q, k, v, g, beta, disable_recompute="yes"), "disable_recompute must be True or False, got 'yes'"),
         (lambda: chunk(q, k, v, g, beta, return_intermediate_states=True),
          "return_intermediate_states .* is not supported"),
@@ -263,7 +273,7 @@ def test_unsupported_options_raise(generator, device):
         (lambda: chunk(q, k, v, None, beta), r"g \[B, T, HV, K\] is required"),
         (lambda: chunk(q, k, v, g, beta, use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(5)),
          r"dt_bias must be \[HV \* K\] = \[32\]"),
-        (lambda: recurrent(q, k, v, g, beta, lower_bound=-5.0), "lower_bound .* is not supported"),
+        (lambda: recurrent(q, k, v, g, beta, lower_bound="low", **gated), "lower_bound must be a finite negative number"),
         (lambda: recurrent(q, k, v, g, beta, chunk_size=16), "option 'chunk_size' is not supported"),
         (lambda: recurrent(q, k, v, g, beta, allow_neg_eigval=True), "allow_neg_eigval=True requires"),
         (lambda: recurrent(q, k, v, g, beta, state_v_first=True, transpose_state_layout=True), "not both"),
@@ -272,9 +282,72 @@ def test_unsupported_options_raise(generator, device):
         with pytest.raises(ops.OptionError, match=message) as caught:
             call()
         assert "\n" not in str(caught.value)
-    # the defaults of the unsupported options are what lrdsl computes: accepted
+    # the defaults of the unsupported options are what lrdsl computes: accepted; so are safe_gate
+    # and lower_bound without use_gate_in_kernel, which FLA reads only with it
     o, _ = chunk(q, k, v, g, beta, initial_state=x["initial_state"], safe_gate=False, lower_bound=None, disable_recompute=False,
                  return_intermediate_states=False, cp_context=None, use_graph=False, max_num_seqs=None, chunk_size=16)
     assert relative_error(o, oracle(tensors, "log", "given")[0]) <= TOL
+    o, _ = chunk(q, k, v, g, beta, initial_state=x["initial_state"], safe_gate=True, lower_bound=-5.0, chunk_size=16)
+    assert relative_error(o, oracle(tensors, "log", "given")[0]) <= TOL
     with pytest.raises(ValueError, match=r"g must be \[B, T, HV, K\]"):
         chunk(q, k, v, g[..., 0], beta)
+
+
+# FLA's bounded gate: (A_log given, dt_bias given) per case
+LOWER_BOUND_CASES = {"A_log_dt_bias": (True, True), "A_log": (True, False), "dt_bias_only": (False, True)}
+
+
+@pytest.mark.parametrize("safe_gate", [False, True])
+@pytest.mark.parametrize("case", LOWER_BOUND_CASES)
+def test_chunk_lower_bound_gate(case, safe_gate, generator, device):
+    """chunk_kda's lower_bound (before: refused, `lower_bound ... is not supported`): the gate
+    lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), A_log optional, safe_gate the same result;
+    outputs, final state and every gradient against the oracle."""
+    has_A_log, has_dt_bias = LOWER_BOUND_CASES[case]
+    tensors = make_inputs(generator, "in_kernel_dt_bias", "sigmoid", HV=2)
+    if not has_A_log:
+        del tensors["A_log"]
+    if not has_dt_bias:
+        del tensors["dt_bias"]
+    x = leaves(tensors, device)
+    o, ht = call_chunk(x, "in_kernel", "sigmoid", chunk_size=16, lower_bound=-5.0, safe_gate=safe_gate)
+    x_ref = leaves(tensors)
+    o_ref, ht_ref = oracle(x_ref, "in_kernel", "sigmoid", lower_bound=-5.0, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+    assert relative_error(o, o_ref) <= TOL
+    assert relative_error(ht, ht_ref) <= TOL
+    assert_gradients(generator, device, x, x_ref, (o, ht), (o_ref, ht_ref))
+
+
+def test_fused_recurrent_lower_bound_gate(generator, device):
+    tensors = make_inputs(generator, "in_kernel_dt_bias", "given", B=2, T=5, HV=2)
+    with torch.no_grad():
+        o, ht = call_recurrent(on(device, tensors), "in_kernel", "given", lower_bound=-2.5)
+    o_ref, ht_ref = oracle(tensors, "in_kernel", "given", lower_bound=-2.5, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+    assert relative_error(o, o_ref) <= TOL
+    assert relative_error(ht, ht_ref) <= TOL
+
+
+def test_lower_bound_spec_is_a_formula():
+    name, text = ops.spec_text("in_kernel", "given", has_dt_bias=True, decay="key_channel", lower_bound=-5.0,
+                               has_A_log=False)
+    assert name == "fla_kda_gate_lower_bound_m5p0_dt_bias_no_A_log"
+    assert 'log_decay = "-5.0 * sigmoid(g + dt_bias)"' in text and "A_log" not in text.split("[inputs]")[1]
+
+
+@pytest.mark.parametrize("fn", ["chunk_kda", "fused_recurrent_kda"])
+def test_head_parameters_in_any_shape_with_their_elements(fn, generator, device):
+    """A_log as [1, 1, HV, 1] and dt_bias as [HV, K] (FLA reads both flat; before: `A_log must be
+    [HV]`): outputs against the oracle, and gradients in the shapes given."""
+    tensors = make_inputs(generator, "in_kernel_dt_bias", "sigmoid", HV=3, T=9)
+    tensors["A_log"] = tensors["A_log"].reshape(1, 1, 3, 1)
+    tensors["dt_bias"] = tensors["dt_bias"].reshape(3, 16)
+    x = leaves(tensors, device)
+    call = call_chunk if fn == "chunk_kda" else call_recurrent
+    o, ht = call(x, "in_kernel", "sigmoid")
+    x_ref = leaves(tensors)
+    o_ref, ht_ref = oracle(x_ref, "in_kernel", "sigmoid", output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert relative_error(o, o_ref) <= TOL
+    assert relative_error(ht, ht_ref) <= TOL
+    assert_gradients(generator, device, x, x_ref, (o, ht), (o_ref, ht_ref))

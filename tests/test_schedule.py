@@ -193,10 +193,10 @@ def test_inputs_loaded_ahead_of_a_v_loop_count_through_it(monkeypatch):
 def test_backward_chunk_size_follows_register_pressure(name, expected):
     """The largest chunk size whose backward kernels fit their registers (within the tolerance):
     the gated and delta specs' output kernel overflows at 64, linear attention's does not."""
-    from lrdsl.codegen.launch import backward_chunk_sizes, largest_chunk_sizes
+    from lrdsl.codegen.launch import backward_chunk_sizes
 
     item, _, _ = _contexts(name)
-    sizes = backward_chunk_sizes(item.backward, largest_chunk_sizes(item))
+    sizes = backward_chunk_sizes(item)
     assert sizes["input"] == expected
     assert sizes["tf32"] <= min(expected, 32)
     assert module(name).BACKWARD_CHUNK_SIZE == sizes
@@ -209,10 +209,10 @@ def test_forward_chunk_size_follows_register_pressure(name, expected, monkeypatc
     registers (within the forward's tolerance): kda's apply and gla's output kernels overflow at
     64, the scalar-gated specs' do not; rwkv7 is capped by its largest chunk size (32). chunk()
     without chunk_size runs at it."""
-    from lrdsl.codegen.launch import forward_chunk_sizes, largest_chunk_sizes
+    from lrdsl.codegen.launch import forward_chunk_sizes
 
     item, _, _ = _contexts(name)
-    sizes = forward_chunk_sizes(item.forward, largest_chunk_sizes(item))
+    sizes = forward_chunk_sizes(item)
     mod = module(name)
     assert mod.FORWARD_CHUNK_SIZE == sizes
     assert {sizes[plan, "input"] for plan in mod.CHUNK_PLANS} == {expected}
@@ -255,3 +255,58 @@ def test_scalar_gate_suffix_sums_are_differences_of_the_inclusive_one(name, diff
                 f"b_{out} = tl.sum(tl.where(o_c == BT - 1, b_{inclusive[0]}, 0.0), axis=0) - b_{inclusive[0]}"), (kernel, code)
             found += 1
     assert (found, summed_directly) == (differences, direct)
+
+
+def _every_kernel():
+    """(spec, KernelContext with its placement and eager sums) of every chunk kernel of every shipped spec."""
+    from lrdsl.codegen.context import KernelContext
+    from lrdsl.specs_registry import shipped_spec_names
+
+    for name in shipped_spec_names():
+        item = run_pipeline(load_spec(spec_path(name)))["save"]
+        for plans in (item.forward, item.backward):
+            for plan in plans.plans:
+                for kernel in plan.kernels:
+                    ctx = KernelContext(plans.graph.program, plan, kernel)
+                    place, _ = schedule.place_values(ctx)
+                    ctx.eager = schedule.eager_sums(ctx, place)
+                    yield name, ctx, place
+
+
+def test_emitted_args_names_exactly_what_each_emitter_reads():
+    """schedule.emitted_args, the one answer to "what does this op's code read", against the code
+    each emitter writes: the values (b_) and buffers (buf_) it names, for every op of every
+    kernel of every shipped spec. Both of its exceptions occur: an L2-norm adjoint reads the
+    normalised rows (not its raw argument), a suffix sum its inclusive sibling."""
+    from lrdsl.codegen.emitters import CHUNK_EMITTERS
+
+    exceptions = set()
+    for name, ctx, _ in _every_kernel():
+        for value in ctx.kernel.computes:
+            op = ctx.prog.op(value)
+            code = "\n".join(CHUNK_EMITTERS.lookup(op)(op, ctx))
+            read = set(re.findall(r"\b(?:b|buf)_(\w+)", code)) - {value}
+            assert read == set(schedule.emitted_args(ctx, value)), f"{name} {ctx.kernel.name}: {op.describe()}"
+            if set(schedule.emitted_args(ctx, value)) != set(op.args()):
+                exceptions.add(type(op).__name__)
+    assert exceptions == {"NormalizeGrad", "Cumsum"}
+
+
+def test_placement_and_pressure_see_the_same_readers():
+    """The register-pressure estimate's live ranges come from the schedule's reader lists: every
+    value lives at least until each reader the schedule placed reads it, and no longer than its
+    last one (or the end of the V loop it is read in)."""
+    from lrdsl.codegen import pressure
+
+    for name, ctx, place in _every_kernel():
+        ranges = pressure.live_ranges(ctx, place, ctx.eager)
+        running_sums = {total for total, _ in ctx.eager.values()}
+        for value in ctx.kernel.computes:
+            if value in ctx.eager or value in running_sums:  # a term dies into its sum at once
+                continue
+            first, last = ranges[value]
+            for reader in schedule.readers(ctx, value):
+                assert ranges[reader][0] <= last or place[reader][0] == "sum", (
+                    f"{name} {ctx.kernel.name}: {value} dies before its reader {reader}")
+            if not schedule.readers(ctx, value):
+                assert last == first, f"{name} {ctx.kernel.name}: {value} has no reader but stays live"

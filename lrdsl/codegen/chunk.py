@@ -25,7 +25,7 @@ from .launch import (
 )
 from .names import CHUNK_OPTIONS, forward_options, input_pointer, signature
 from .segments import segment_refusal
-from .templating import render
+from .templating import host_code, render
 
 
 BUFFER_SHAPES = {
@@ -273,10 +273,13 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         default_plan=plans.default,
         plan_doc=[f"  {p.name}: {p.summary}: {' -> '.join(k.name for k in p.kernels)}" for p in plans.plans]
         + [f"  backward: {' -> '.join(k.name for k in item.backward.plans[0].kernels)} (the scan in reverse)"],
-        **{name: repr(table) for name, table in launch_tables(item).items()},
+        **{name: repr(table) for name, table in launch_tables(item).render().items()},
         largest_chunk_size=repr(largest),
-        backward_chunk_size=repr(backward_chunk_sizes(item.backward, largest)),
-        forward_chunk_size=repr(forward_chunk_sizes(plans, largest)),
+        launch_rule=host_code("launch_rule"),
+        programs=host_code("programs"),
+        scan_segments=host_code("scan_segments"),
+        backward_chunk_size=repr(backward_chunk_sizes(item)),
+        forward_chunk_size=repr(forward_chunk_sizes(item)),
         smaller_scan_chunks=repr(smaller_scan_chunks),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
         launchers=[_launcher(prog, p, copies[p.name]) for p in plans.plans],

@@ -47,7 +47,7 @@ from .context import (
 )
 from .names import input_pointer
 from .printer import to_triton
-from .schedule import inclusive_sibling
+from .schedule import inclusive_sibling, normalized_here
 from .templating import render
 
 
@@ -99,24 +99,6 @@ def _state_in(op: StateIn, ctx: KernelContext) -> list[str]:
 def _row_norm(value: str) -> str:
     """The row norms of a Normalize's input (a temporary outside the b_ namespace of values)."""
     return f"row_norm_{value}"
-
-
-def emitted_args(ctx: KernelContext, value: str) -> tuple[str, ...]:
-    """The values an op's emitted code reads: its arguments, but for the adjoint of a
-    normalisation this kernel computes, which reads the normalised rows instead of the raw ones."""
-    op = ctx.prog.op(value)
-    if isinstance(op, NormalizeGrad) and (normalized := _normalized_here(ctx, op.x)) is not None:
-        return (normalized, op.dy)
-    return op.args()
-
-
-def _normalized_here(ctx: KernelContext, x: str) -> str | None:
-    """The value this kernel normalises `x` into, if it does (its rows are the unit vectors)."""
-    for value in ctx.kernel.computes:
-        op = ctx.prog.op(value)
-        if isinstance(op, Normalize) and op.x == x:
-            return value
-    return None
 
 
 @CHUNK_EMITTERS.register(Normalize)
@@ -365,7 +347,7 @@ def _normalize_grad(op: NormalizeGrad, ctx: KernelContext) -> list[str]:
     x, dy, dx = var(op.x), var(op.dy), var(op.out)
     # temporaries outside the b_ namespace of values: 1 / the row norms, the normalised rows
     r, y = f"inv_norm_{op.out}", f"unit_{op.out}"
-    normalized = _normalized_here(ctx, op.x)
+    normalized = normalized_here(ctx, op.x)
     if normalized is not None:  # this kernel normalised x: its rows and norms, not x again
         return [
             f"{dx} = {dy}",

@@ -13,7 +13,7 @@ from .. import __version__
 from ..errors import CompileError
 from ..ir.formula import sigmoid
 from .printer import HELPERS, to_triton
-from .templating import render
+from .templating import host_code, render
 
 _x = sympy.Symbol("x")
 
@@ -58,5 +58,6 @@ def emit_layer_kernels(conv_activation: str = "silu", gate_activation: str = "si
         conv_activation=conv_activation,
         gate_activation=gate_activation,
         helpers=HELPERS,
+        host_helpers=host_code("helpers"),
         sections=[short_conv, gated_norm],
     )

@@ -23,7 +23,7 @@ from .recurrent import (
     has_low_rank,
     kernel_name,
 )
-from .templating import render
+from .templating import host_code, render
 
 # Launch settings of the recurrent kernel (decode, verify, short sequences), from a sweep on the
 # H200 (BENCHMARKS.md, "Serving launch sweep"): 16 value columns per program make many small
@@ -125,6 +125,8 @@ def emit_module(stages: dict, spec_path: str) -> str:
         signatures=signatures,
         inputs_tuple=inputs_tuple,
         helpers=HELPERS,
+        host_helpers=host_code("helpers"),
+        checks=host_code("checks"),
         sections="\n\n".join(sections),
     )
     ops_key = hashlib.sha256(source.encode()).hexdigest()[:12]

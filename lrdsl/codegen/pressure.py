@@ -9,7 +9,8 @@ loops; schedule.eager_sums: running sums) and adds up the tiles live at each poi
     the end of that loop; a sum over V lives from the start of its loop); a term summed eagerly
     dies at once; a result written out and not read again dies at once; the q/k gradients a
     key-head program sums over its value heads live through the whole kernel. A reader is what
-    the emitted code reads (chunk.emitted_args: an L2-norm adjoint reads the normalised rows),
+    the emitted code reads (schedule.emitted_args: an L2-norm adjoint reads the normalised rows,
+    an exclusive suffix sum its inclusive sibling),
     and a tile held in its stored dtype (KernelContext.in_storage_dtype) counts at the inputs'
     width, as does an input loaded a V loop ahead of its segment (schedule.loads_issued_early)
     until its conversion.
@@ -19,9 +20,8 @@ bound; its use is comparing chunk sizes and kernels of one spec, not predicting 
 from __future__ import annotations
 
 from ..passes.plan import FP32_BUFFER_SHAPES
-from .emitters import emitted_args
 from .kernels import key_head_results
-from .schedule import eager_sums, is_loadable, loads_issued_early, place_values
+from .schedule import eager_sums, is_loadable, loads_issued_early, place_values, readers
 
 ACC_BYTES = 4  # a tile's elements are fp32 unless a loaded value stays in the matmul dtype
 
@@ -41,13 +41,13 @@ def _tile_bytes(ctx, value: str, dims: dict[str, int], operand_bytes: int) -> in
     return size * (operand_bytes if kept_as_operand or kept_as_stored else ACC_BYTES)
 
 
-def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes: int = 2) -> int:
-    """The most tile bytes live at once in one program of a chunk-parallel kernel (K = V =
-    head_dim, V tiles block_v wide, matmul operands of operand_bytes per element)."""
+Point = tuple[int, int]  # (segment: 2 x plain index, or 2 x loop index + 1; position within it)
 
-    place, _ = place_values(ctx)
-    eager = ctx.eager = eager_sums(ctx, place)
-    dims = {"C": chunk, "K": head_dim, "V": block_v}
+
+def live_ranges(ctx, place: dict, eager: dict) -> dict[str, tuple[Point, Point]]:
+    """Each value's (first, last) point alive in the kernel body, from the schedule's placement
+    and its reader lists (schedule.readers, built from schedule.emitted_args): the same answer
+    to "who reads this tile" that placed it. A running sum's range starts at its first term."""
     order = {value: i for i, value in enumerate(ctx.kernel.computes)}
 
     def start(value: str) -> tuple:
@@ -60,9 +60,7 @@ def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes:
         if value in eager:
             return start(value)  # added to its running sum as soon as it exists
         ends = [start(value)]
-        for reader in ctx.kernel.computes:
-            if value not in emitted_args(ctx, reader):
-                continue
+        for reader in readers(ctx, value):
             kind, index = place[reader]
             if kind in ("loop", "sum") and place[value][0] == "plain" or kind == "sum":
                 ends.append((2 * index + 1, len(order)))  # read in every iteration of the loop
@@ -70,15 +68,25 @@ def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes:
                 ends.append(start(reader))
         return max(ends)
 
-    running_sums = {total for total, _ in eager.values()}
-    intervals = [(start(v), end(v), _tile_bytes(ctx, v, dims, operand_bytes)) for v in ctx.kernel.computes if v not in running_sums]
-    for total in running_sums:  # a running sum lives from its first term on
-        first = min(start(t) for t, (s, _) in eager.items() if s == total)
-        intervals.append((first, end(total), _tile_bytes(ctx, total, dims, operand_bytes)))
+    ranges = {value: (start(value), end(value)) for value in ctx.kernel.computes}
+    for total in {total for total, _ in eager.values()}:  # a running sum lives from its first term on
+        ranges[total] = (min(start(t) for t, (s, _) in eager.items() if s == total), end(total))
+    return ranges
+
+
+def peak_tile_bytes(ctx, chunk: int, head_dim: int, block_v: int, operand_bytes: int = 2) -> int:
+    """The most tile bytes live at once in one program of a chunk-parallel kernel (K = V =
+    head_dim, V tiles block_v wide, matmul operands of operand_bytes per element)."""
+    place, _ = place_values(ctx)
+    eager = ctx.eager = eager_sums(ctx, place)
+    dims = {"C": chunk, "K": head_dim, "V": block_v}
+    order = {value: i for i, value in enumerate(ctx.kernel.computes)}
+    ranges = live_ranges(ctx, place, eager)
+    intervals = [(first, last, _tile_bytes(ctx, v, dims, operand_bytes)) for v, (first, last) in ranges.items()]
     # inputs loaded a V loop ahead of their segment: held unconverted (16 bits for 16-bit inputs)
     # from the end of the segment before that loop to their conversion
     for value, index in loads_issued_early(ctx, place).items():
-        intervals.append(((2 * index - 2, len(order)), start(value), _elements(ctx, value, dims) * operand_bytes))
+        intervals.append(((2 * index - 2, len(order)), ranges[value][0], _elements(ctx, value, dims) * operand_bytes))
     # the q/k gradients a key-head program sums over its value heads
     group_sums = sum(_tile_bytes(ctx, value, dims, operand_bytes) for _, value in key_head_results(ctx))
     points = sorted({s for s, _, _ in intervals})

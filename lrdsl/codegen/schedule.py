@@ -22,7 +22,7 @@ from __future__ import annotations
 import sympy
 
 from ..errors import CompileError
-from ..ir.chunk import Cumsum, Formula, Load, MatMul, ReduceSum
+from ..ir.chunk import Cumsum, Formula, Load, MatMul, Normalize, NormalizeGrad, ReduceSum
 
 Place = tuple[str, int]
 
@@ -58,12 +58,31 @@ def inclusive_sibling(ctx, value: str) -> str | None:
     return None
 
 
+def normalized_here(ctx, x: str) -> str | None:
+    """The value this kernel normalises `x` into, if it does (its rows are the unit vectors): the
+    adjoint of that normalisation then reads those rows and their norms instead of x."""
+    for value in ctx.kernel.computes:
+        op = ctx.prog.op(value)
+        if isinstance(op, Normalize) and op.x == x:
+            return value
+    return None
+
+
 def emitted_args(ctx, value: str) -> tuple[str, ...]:
-    """The values an op's code reads: its arguments, and the inclusive sibling an exclusive cumsum
-    is taken from (so that sibling is placed, and kept, where the cumsum's code can read it)."""
-    args = tuple(ctx.prog.op(value).args())
-    sibling = inclusive_sibling(ctx, value)
-    return args + (sibling,) if sibling else args
+    """The values an op's emitted code reads: its arguments, with two exceptions where the emitter
+    reads a neighbour instead (the one answer placement, reader lists and the register-pressure
+    estimate all use, so they agree on how long each tile lives):
+      - the adjoint of a normalisation this kernel computes reads the normalised rows (and their
+        norms), not the raw ones (normalized_here);
+      - an exclusive suffix sum taken as a difference reads its inclusive sibling, and the
+        chunk's total from it, not the summed values (inclusive_sibling).
+    Every emitter that starts to read another value than its arguments adds it here."""
+    op = ctx.prog.op(value)
+    if isinstance(op, NormalizeGrad) and (normalized := normalized_here(ctx, op.x)) is not None:
+        return (normalized, op.dy)
+    if (sibling := inclusive_sibling(ctx, value)) is not None:
+        return (sibling,)
+    return tuple(op.args())
 
 
 def reader_index(ctx) -> dict[str, list[str]]:

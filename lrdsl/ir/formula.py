@@ -126,12 +126,15 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
         "Function": sympy.Function,
     }
     try:
+        aliased, aliases = _aliased_names(text, {**RESERVED, **names}, namespace)
         expr = parse_expr(
-            text,
-            local_dict=local,
+            aliased,
+            local_dict={**FUNCTIONS, **aliases},
             global_dict=namespace,
             transformations=standard_transformations + (convert_xor,),
         )
+    except FormulaSyntaxError:
+        raise
     except Exception as exc:  # sympy raises SyntaxError, TokenError, TypeError, NameError ...
         raise FormulaSyntaxError(f"cannot parse formula {text!r}: {type(exc).__name__}") from None
     if not isinstance(expr, sympy.Expr):
@@ -159,6 +162,30 @@ def parse_formula(text: str, allowed: set[str]) -> sympy.Expr:
             "the kernels would compute inf"
         )
     return whole_exponents_as_integers(expr)
+
+
+def _aliased_names(text: str, symbols: dict[str, sympy.Symbol], namespace: dict) -> tuple[str, dict]:
+    """(text with each name of `symbols` written as an alias, {alias: its symbol}).
+
+    sympy's parser writes each number as a call (`Integer(2)`, `Float('0.5')`) and evaluates it
+    with the formula's names in scope: an input named Float or Integer would be called in its
+    place. Aliases (names starting with '_', which no input may have) keep the inputs out of
+    the parser's way, whatever they are called. A name the formula does not declare that is one
+    of the parser's own is refused as undeclared here (sympy would call it)."""
+    aliases: dict[str, sympy.Symbol] = {}
+    alias_of: dict[str, str] = {}
+    tokens = []
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        kind, string = token.type, token.string
+        if kind == tokenize.NAME and string in symbols:
+            if string not in alias_of:
+                alias_of[string] = f"_formula_name_{len(alias_of)}"
+                aliases[alias_of[string]] = symbols[string]
+            string = alias_of[string]
+        elif kind == tokenize.NAME and string in namespace:
+            raise FormulaSyntaxError(f"formula {text!r} uses undeclared name {string!r}")
+        tokens.append((kind, string))
+    return tokenize.untokenize(tokens), aliases
 
 
 def whole_exponents_as_integers(expr: sympy.Expr) -> sympy.Expr:

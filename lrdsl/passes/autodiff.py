@@ -43,7 +43,6 @@ from ..ir.chunk import (
     Mask,
     MaskRows,
     MatMul,
-    NoChunkForm,
     Normalize,
     NormalizeGrad,
     PlaceLastRow,
@@ -244,9 +243,7 @@ def _saved_values(plans: ChunkPlans) -> set[str]:
     return set.intersection(*sets)
 
 
-def autodiff(plans: ChunkPlans | NoChunkForm) -> ChunkProgram | NoChunkForm:
-    if isinstance(plans, NoChunkForm):
-        return plans
+def autodiff(plans: ChunkPlans) -> ChunkProgram:
     forward = plans.graph.program
     saved = _saved_values(plans)
     b = Builder()

@@ -1,12 +1,18 @@
 """The compiler pipeline: the passes in order, each with why it sits where it does.
 
 `run_pipeline` returns every stage by name; `lrdsl show SPEC --stage NAME` prints one of them.
+
+One rule holds for every pass, so it lives here and not in the passes: a recurrence with no
+chunk form (derive_chunk's `NoChunkForm`) has none at any later stage either. A pass whose source
+is a NoChunkForm is not run; the stage it would produce holds that NoChunkForm, so every stage
+exists and the module emitter refuses it in one line.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from ..ir.chunk import NoChunkForm
 from ..spec import Spec
 from .canonicalize import canonicalize
 from .autodiff import autodiff
@@ -55,7 +61,9 @@ def run_pipeline(spec: Spec, until: str | None = None, check: bool = False) -> d
     for p in PASSES:
         if until in stages:
             break
-        stages[p.name] = p.run(*(stages[s] for s in p.sources))
+        sources = [stages[s] for s in p.sources]
+        unchunked = next((s for s in sources if isinstance(s, NoChunkForm)), None)
+        stages[p.name] = unchunked if unchunked is not None else p.run(*sources)
         if check:
             verify(stages[p.name])
     return stages

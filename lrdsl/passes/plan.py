@@ -28,7 +28,7 @@ The plans differ in rule 3's grouping:
 """
 from __future__ import annotations
 
-from ..ir.chunk import Broadcast, ChunkProgram, Formula, Load, MaskRows, NoChunkForm, Normalize, UnitLowerInverse
+from ..ir.chunk import Broadcast, ChunkProgram, Formula, Load, MaskRows, Normalize, UnitLowerInverse
 from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
 
 FP32_BUFFER_SHAPES = (("C", "C"), ("C",), (), ("K",))
@@ -170,9 +170,7 @@ class _Planner:
         return kernels
 
 
-def plan_kernels(stages: StageGraph | NoChunkForm) -> ChunkPlans | NoChunkForm:
-    if isinstance(stages, NoChunkForm):
-        return stages
+def plan_kernels(stages: StageGraph) -> ChunkPlans:
     planner = _Planner(stages)
     # split first: the default, faster than fused at every training shape measured (BENCHMARKS.md)
     return ChunkPlans(stages, tuple(planner.plan(name) for name in ("split", "fused")))

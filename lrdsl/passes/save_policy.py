@@ -38,7 +38,6 @@ from ..ir.chunk import (
     Mask,
     MaskRows,
     MatMul,
-    NoChunkForm,
     Normalize,
     UnitLowerInverse,
 )
@@ -228,9 +227,7 @@ def _narrowed(plan: Plan, backward: ChunkPlans, forward_prog: ChunkProgram, kept
     return tuple(narrowed)
 
 
-def choose_saved(forward: ChunkPlans | NoChunkForm, backward: ChunkPlans | NoChunkForm) -> BackwardPlan | NoChunkForm:
-    if isinstance(backward, NoChunkForm):
-        return backward
+def choose_saved(forward: ChunkPlans, backward: ChunkPlans) -> BackwardPlan:
     reads = _reads(backward.graph.program)
     sub_chunk = sub_chunk_values(forward.graph.program)
     policies = []

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import networkx as nx
 
-from ..ir.chunk import ChunkProgram, NoChunkForm
+from ..ir.chunk import ChunkProgram
 from ..ir.plan import StageGraph
 
 
-def build_stage_graph(prog: ChunkProgram | NoChunkForm) -> StageGraph | NoChunkForm:
-    if isinstance(prog, NoChunkForm):
-        return prog
+def build_stage_graph(prog: ChunkProgram) -> StageGraph:
     graph = nx.DiGraph()
     for op in prog.ops:
         graph.add_node(op.out)

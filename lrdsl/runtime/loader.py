@@ -53,7 +53,7 @@ def generate(path, **options) -> tuple[str, dict]:
     """Run the pipeline on the spec at `path` (or a shipped spec's name) and emit the module source.
     Returns (source, stages)."""
     _check_options(options)
-    stages = run_pipeline(load_spec(resolve_spec(path)))
+    stages = run_pipeline(load_spec(resolve_spec(path)), check=config.verify_ir())
     return emit_module(stages, spec_path=str(path)), stages
 
 
@@ -63,7 +63,8 @@ def load(path, **options):
     # the key needs only the canonical IR; the later passes run on a cache miss alone
     recurrence = run_pipeline(spec, until="recurrence")["recurrence"]
     key = cache.cache_key(recurrence.fingerprint(), options)
-    return load_cached(recurrence.name, key, lambda: emit_module(run_pipeline(spec), spec_path=spec.path))
+    return load_cached(recurrence.name, key,
+                       lambda: emit_module(run_pipeline(spec, check=config.verify_ir()), spec_path=spec.path))
 
 
 def load_cached(name: str, key: str, make_source: Callable[[], str]):

@@ -1,3 +1,17 @@
+"""Segmented scans: a scan with few programs cut into segments of chunks run side by side.
+
+Host code (lrdsl/codegen/host/__init__.py): copied verbatim into every generated module.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .checks import _acc_dtype, _load_state, _state_row, _store_state
+from .helpers import _cdiv, _next_power_of_2
+from .launch_rule import SMALLEST_DOT_TILE
+from .module_names import WIDE_K, _launch
+from .programs import _multiprocessors, _scan_programs
+
 # A scan walks a sequence's chunks one after another; a few long sequences with few heads give it
 # far fewer programs than the GPU has multiprocessors, each waiting on its own chain of matmuls. A
 # scan whose update is affine in the state (its launcher's segmentable=, checked when this module
