@@ -132,10 +132,12 @@ SHELL_EXAMPLES = {
 }
 # run by their own tests below
 LONG_EXAMPLES = ("make demo", "make test", "lrdsl check specs/gdn.toml")
+# run on a GPU machine only (tests/test_bench.py checks the phases it runs)
+GPU_MACHINE_EXAMPLES = ("bash scripts/bench_peers.sh PHASE",)
 
 
 def test_every_shell_example_has_a_test():
-    assert sorted(shell_examples()) == sorted(list(SHELL_EXAMPLES) + list(LONG_EXAMPLES))
+    assert sorted(shell_examples()) == sorted(list(SHELL_EXAMPLES) + list(LONG_EXAMPLES) + list(GPU_MACHINE_EXAMPLES))
 
 
 @pytest.mark.parametrize("command", list(SHELL_EXAMPLES))
