@@ -2,9 +2,11 @@
 #   make demo   compile specs/gdn.toml, run its kernels against the float64 oracle, print errors and times
 #   make test   run the test suite
 # Both create .venv and install lrdsl with its dependencies first (CPU machines get torch 2.13.0 and
-# triton 3.6.0; without a GPU the kernels run on Triton's CPU interpreter). numpy < 2.4: Triton 3.6's
-# interpreter cannot take a loaded loop bound (the scans' `for` over chunks) with numpy >= 2.4.
-PYTHON ?= python3
+# triton 3.6.0; without a GPU the kernels run on Triton's CPU interpreter; pyproject.toml holds numpy
+# below 2.4, which Triton 3.6's interpreter needs).
+# The oldest Python pyproject.toml declares (requires-python), where installed: what CI must prove works.
+OLDEST_PYTHON := python$(shell sed -n 's/^requires-python = ">=\([0-9.]*\)"/\1/p' pyproject.toml)
+PYTHON ?= $(shell command -v $(OLDEST_PYTHON) >/dev/null 2>&1 && echo $(OLDEST_PYTHON) || echo python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Test processes (pytest-xdist): the interpreter runs one Python thread per test, so a CPU machine's
@@ -12,7 +14,7 @@ BIN := $(VENV)/bin
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean python-version
 
 setup: $(STAMP)
 
@@ -21,11 +23,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "triton==3.6.0"
-	$(BIN)/python -m pip install -q -e ".[test]" "numpy<2.4"
+	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/lrdsl demo specs/gdn.toml
+
+python-version:  # the interpreter `make setup` builds .venv from
+	@echo $(PYTHON)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)

@@ -3,7 +3,7 @@ decoding, checked against the float64 oracle.
 
     python examples/serving_decode.py                          # tiny shapes: CPU (Triton's interpreter) or GPU
     python examples/serving_decode.py --spec kda               # any spec
-    python examples/serving_decode.py --state-dtype bfloat16   # a bf16 state pool
+    python examples/serving_decode.py --state-dtype bfloat16   # a bf16 state pool (GPU; CPU: --state-dtype float16)
 
 Requests of different lengths are prefilled into rows of a state pool (one packed chunk() call;
 recurrent() for a spec without a chunk form), then decoded in a batch of fixed slots, one token
@@ -13,7 +13,15 @@ is only read), a random number of them is accepted, and commit() writes each row
 its accepted tokens. On a GPU the decode step and the verify + commit step are CUDA graphs,
 captured once and replayed with new inputs. Random tensors stand in for the model's projections.
 Every step's outputs and, at the end, every request's pool row are compared with the oracle run
-over that request's tokens; the exit status is 1 if one is off.
+over that request's tokens, within the tolerance of the dtypes (fp32 2e-3, 16-bit inputs or pool
+8e-3); the last line is "ok", or "FAILED:" with each check that failed, and the exit status 1.
+
+A bf16 pool needs a GPU. The pool rounds each row to bf16 after every call, as a GPU does, to
+nearest; Triton's CPU interpreter rounds fp32 to bf16 toward zero instead, a bias that
+accumulates over the steps: here the final rows' error was 8.1e-3 (over 8e-3) under the
+interpreter and 2.4e-3 with the same kernels' stores rounded to nearest. The error the
+interpreter adds is its own, so on a CPU --state-dtype bfloat16 is refused in one line; an fp16
+pool (which the interpreter rounds to nearest) runs there.
 """
 from __future__ import annotations
 
@@ -54,7 +62,8 @@ class Engine:
     pool: torch.Tensor
     free_rows: list
     params: list = field(default_factory=list)  # the spec's per-head inputs: the model's, fixed
-    worst: float = 0.0
+    step: str = ""  # where the loop is ("step 3: "), for the checks that fail
+    failed: list = field(default_factory=list)  # "what error > limit" of each check that failed
 
     def tokens(self, B, T):
         """Inputs of B x T tokens (per-token tensors fresh, per-head ones the model's)."""
@@ -79,8 +88,9 @@ class Engine:
         limit = TOLERANCE[torch.float32 if self.dtype == torch.float32 and self.pool.dtype == torch.float32
                           else torch.bfloat16]
         error = relative_error(got, expected)
-        self.worst = max(self.worst, error / limit)
         print(f"  {what}: relative error vs the oracle {error:.1e}")
+        if not error <= limit:  # NaN fails too
+            self.failed.append(f"{self.step}{what} {error:.1e} > {limit:.0e}")
 
     def prefill(self, names_and_lengths):
         """New requests' prompts, packed into one call, each into a fresh pool row."""
@@ -128,6 +138,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
+    if args.state_dtype == "bfloat16" and not on_gpu:
+        print("serving_decode.py: --state-dtype bfloat16 needs a GPU: Triton's CPU interpreter rounds fp32 to bf16 "
+              "toward zero (a GPU rounds to nearest), a drift of its own; use --state-dtype float16 on a CPU",
+              file=sys.stderr)
+        return 2
     rec = run_pipeline(load_spec_by_name(args.spec), until="recurrence")["recurrence"]
     mod = lrdsl.load(args.spec)
     shape = Shape(SLOTS, 1, 4, 8, 128, 128) if on_gpu else Shape(SLOTS, 1, 1, 2, 16, 16)
@@ -167,6 +182,7 @@ def main(argv=None) -> int:
             indices.copy_(torch.tensor([r.row if r else -1 for r in slots]))
             print(f"{leaving.name} leaves (row {leaving.row} freed), D joins slot 1")
         live = [(n, r) for n, r in enumerate(slots) if r]
+        engine.step = f"step {step}: "
         if step % 2 == 0:
             for static, fresh in zip(decode_in, engine.tokens(SLOTS, 1)):
                 static.copy_(fresh)
@@ -190,10 +206,11 @@ def main(argv=None) -> int:
                 engine.oracle(r, draft_in, n, 0, int(counts[n]))  # then only the accepted tokens advance it
             engine.check("o of every draft", verify_out[[n for n, _ in live]], torch.stack(expected))
     rows = [r.row for r in slots if r]
+    engine.step = ""
     engine.check("final pool rows of the requests in the batch", pool[rows].double(),
                  torch.stack([r.state for r in slots if r]))
-    print("ok" if engine.worst <= 1 else "FAILED: an error above the tolerance")
-    return 0 if engine.worst <= 1 else 1
+    print("FAILED: " + "; ".join(engine.failed) if engine.failed else "ok")
+    return 1 if engine.failed else 0
 
 
 if __name__ == "__main__":

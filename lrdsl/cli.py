@@ -3,9 +3,13 @@
     lrdsl compile SPEC -o FILE        write one standalone module (imports torch and triton only)
     lrdsl show SPEC --stage NAME      print one compiler stage (recurrence, step, module, ...)
     lrdsl check SPEC                  run the generated kernels against the float64 oracle
-    lrdsl demo [SPEC]                 the main job: compile, run, print errors and times
+    lrdsl demo [SPEC]                 the main job: compile, run, print errors and times (default gdn)
+    lrdsl specs                       list the shipped specs (their names work wherever SPEC is asked)
+    lrdsl memory SPEC                 a chunk call's GPU memory at each launch and its peak, without a GPU
+    lrdsl resources SPEC              registers, spills and shared memory per kernel for sm_90, without a GPU
     lrdsl cache info | prune | clear  the module cache: what it holds; remove what this lrdsl
                                       never serves; remove everything
+    lrdsl --version
 
 Every failure is one line on stderr, and the exit status says which kind it was:
 
@@ -36,6 +40,7 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 SHAPE_FIELDS = ("B", "T", "H", "HV", "K", "V")
+SPEC_HELP = "a shipped spec's name (lrdsl specs lists them) or a spec file's path"
 
 
 def _parse_shape(text: str):
@@ -138,7 +143,7 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True, plans=None
     where = "CPU, Triton interpreter" if interpreted else torch.cuda.get_device_name()
     print(f"{rec.name}: generated kernels vs the float64 oracle ({where}; {shape}; seed {seed})")
     if interpreted:
-        print("note: on the CPU the kernels run in Triton's interpreter: slow (minutes), and any time it shows "
+        print("note: on the CPU the kernels run in Triton's interpreter: slow, and any time it shows "
               "measures the interpreter, not the kernels' speed")
     print(format_header(), flush=True)
     start = time.perf_counter()
@@ -169,10 +174,55 @@ def cmd_check(args) -> int:
     if args.prove:
         return _prove(args.spec, backward=not args.forward_only)
     seed = args.seed if args.seed is not None else int(torch.seed() % 2**31)
+    shape = _parse_shape(args.shape)
+    _check_plan_and_chunk_size(args.spec, args.plan, args.chunk_size)  # before the header prints
     plans = [args.plan] if args.plan else None
     chunk_sizes = [args.chunk_size] if args.chunk_size else None
-    return _run_checks(args.spec, _parse_shape(args.shape), seed, timed=False, plans=plans, chunk_sizes=chunk_sizes,
+    return _run_checks(args.spec, shape, seed, timed=False, plans=plans, chunk_sizes=chunk_sizes,
                        gradients=not args.forward_only)
+
+
+def _check_plan_and_chunk_size(spec_path: str, plan, chunk_size) -> None:
+    """check --plan and --chunk-size against the spec's module, in one line each."""
+    if plan is None and chunk_size is None:
+        return
+    from . import load
+
+    module = load(spec_path)
+    plans, sizes = getattr(module, "CHUNK_PLANS", ()), getattr(module, "CHUNK_SIZES", ())
+    if plan is not None and plan not in plans:
+        raise LrdslError(f"--plan: {module.SPEC_NAME} has no chunk plan {plan!r}; plans: {', '.join(plans) or 'none'}")
+    if chunk_size is not None and chunk_size not in sizes:
+        raise LrdslError(f"--chunk-size: {chunk_size} is not one of {module.SPEC_NAME}'s chunk sizes {sizes}")
+
+
+def cmd_specs(args) -> int:
+    from .specs_registry import load_spec_by_name, shipped_spec_dir, shipped_spec_names
+
+    names = shipped_spec_names()
+    width = max(map(len, names), default=0)
+    print(f"shipped specs ({shipped_spec_dir()}); each name works wherever a spec file is asked:")
+    for name in names:
+        print(f"  {name:<{width}}  {load_spec_by_name(name).summary}")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from .memory import run
+
+    return run(args)
+
+
+def cmd_resources(args) -> int:
+    from .resources import run
+
+    return run(args)
+
+
+def run_tool(run, args) -> int:
+    """`python -m lrdsl.memory` and `python -m lrdsl.resources`: the CLI's one-line errors and exit statuses."""
+    args.run = run
+    return run_command(args)
 
 
 def _prove(spec_path: str, backward: bool = True) -> int:
@@ -391,22 +441,27 @@ def cmd_cache(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .memory import add_arguments as memory_arguments
+    from .resources import add_arguments as resources_arguments
+
     parser = argparse.ArgumentParser(prog="lrdsl", description="Compile linear-recurrence specs into Triton kernels.")
+    parser.add_argument("--version", action="version", version=f"lrdsl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compile", help="write one standalone module for a spec")
-    p.add_argument("spec")
+    p.add_argument("spec", help=SPEC_HELP)
     p.add_argument("-o", "--output", required=True, help="the .py file to write")
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser("show", help="print one compiler stage")
-    p.add_argument("spec")
+    p.add_argument("spec", help=SPEC_HELP)
     p.add_argument("--stage", default="recurrence",
                    help=f"one of {', '.join(show_stages())} ('-' may replace '_'; default recurrence)")
     p.set_defaults(run=cmd_show)
 
     p = sub.add_parser("check", help="run the generated kernels against the float64 oracle")
-    p.add_argument("spec")
+    p.add_argument("spec", help=SPEC_HELP)
     # the default crosses a chunk boundary (T = 20 > 16) with two value heads per key head and a
     # value dim that is not a power of two, and stays small: on a CPU every kernel runs interpreted
     p.add_argument("--shape", default="1,20,1,2,16,24", help="B,T,H,HV,K,V (default 1,20,1,2,16,24)")
@@ -440,11 +495,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="compile a spec to a file, run it against the oracle, print errors and times")
-    p.add_argument("spec", nargs="?", default="specs/gdn.toml")
+    p.add_argument("spec", nargs="?", default="gdn", help=SPEC_HELP + " (default gdn)")
     p.add_argument("--output-dir", default="out", help="where the compiled module goes (default out/)")
     p.add_argument("--shape", default=None, help="B,T,H,HV,K,V")
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("specs", help="list the shipped specs, whose names work wherever a spec file is asked")
+    p.set_defaults(run=cmd_specs)
+
+    p = sub.add_parser("memory", help="a chunk call's GPU memory at each launch and at its peak, without a GPU")
+    memory_arguments(p)
+    p.set_defaults(run=cmd_memory)
+
+    p = sub.add_parser("resources", help="registers, spills and shared memory of every kernel for sm_90, without a GPU")
+    resources_arguments(p)
+    p.set_defaults(run=cmd_resources)
 
     p = sub.add_parser("cache", help="show or trim the module cache (LRDSL_CACHE_DIR)")
     p.add_argument("action", choices=("info", "prune", "clear"),
@@ -456,7 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser().parse_args(argv))
+
+
+def run_command(args) -> int:
+    """args.run(args), each failure one line on stderr with its exit status."""
     try:
         status = args.run(args)
         sys.stdout.flush()  # here, not at exit: a closed pipe must raise where it is handled

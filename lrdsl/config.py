@@ -38,11 +38,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+class InterpreterWarning(UserWarning):
+    """Triton's CPU interpreter is needed (no GPU) but can no longer be turned on."""
+
+
 def use_interpreter_without_gpu() -> bool:
     """Turn on Triton's CPU interpreter when no CUDA device exists. Returns whether it is on.
 
-    Triton decides at import (its own library functions) and when a kernel is decorated, so this
-    must run before anything imports triton.
+    `import lrdsl` calls this. Triton decides at import (its own library functions are compiled
+    kernels or interpreted ones) and when a kernel is decorated, so this must run before anything
+    imports triton; where triton came first it raises LrdslError saying so, in one line.
     """
     import sys
 
@@ -53,7 +58,8 @@ def use_interpreter_without_gpu() -> bool:
     if "triton" in sys.modules:
         from .errors import LrdslError
 
-        raise LrdslError("no GPU, and triton was imported before TRITON_INTERPRET=1 was set: set it first")
+        raise LrdslError("no GPU, and triton was imported before lrdsl could turn on its CPU interpreter: "
+                         "import lrdsl first (before transformers' Qwen3.5 model too) or set TRITON_INTERPRET=1")
     os.environ["TRITON_INTERPRET"] = "1"
     return True
 

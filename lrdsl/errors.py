@@ -29,6 +29,15 @@ class CompileError(LrdslError):
     """The generator cannot emit kernels for this recurrence or these options."""
 
 
+class InputError(LrdslError, ValueError):
+    """A tensor or argument handed to lrdsl's functions, a generated module or the layer has the
+    wrong shape, dtype, device or value. A ValueError too, as Python's own argument checks raise.
+
+    Generated modules raise this very class when lrdsl is importable (`except lrdsl.InputError`
+    catches every module's), and a class of their own, also a ValueError, when they run
+    standalone (torch and triton only)."""
+
+
 class OutputError(LrdslError):
     """A file the user asked for cannot be written: no permission, a read-only or full file
     system, a missing directory or a parent that is a file."""

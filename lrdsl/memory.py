@@ -11,8 +11,8 @@ scripts/compare_modules.py reports. For gdn at the three training shapes it gave
 3912 / 2002 MiB measured on the GPU before the backward's storage reuse, and with it 1835 MiB at
 4 x 4096, as measured (BENCHMARKS.md rounds 22 and 23).
 
-    python -m lrdsl.memory SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16]
-                           [--save-policy P] [--chunk-size C] [--no-backward]
+    lrdsl memory SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16]
+                 [--save-policy P] [--chunk-size C] [--no-backward]     (or python -m lrdsl.memory ...)
 """
 from __future__ import annotations
 
@@ -100,31 +100,42 @@ def peak(held: list[HeldAtLaunch]) -> HeldAtLaunch:
     return max(held, key=lambda h: h.held_bytes)
 
 
-def main(argv=None) -> int:
-    from . import config
-
-    config.never_interpret()  # nothing runs: the launches are only counted
-
-    from . import load
-    from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
-    from .workloads import Shape
-
-    p = argparse.ArgumentParser(prog="python -m lrdsl.memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("specs", nargs="+", metavar="spec")
+def add_arguments(p) -> None:
+    """The options of `lrdsl memory` and `python -m lrdsl.memory`."""
+    p.add_argument("specs", nargs="+", metavar="spec", help="shipped spec names (lrdsl specs lists them) or spec files")
     p.add_argument("--shape", action="append", help="B,T,H,HV,K,V (repeat for several; default 4,4096,16,32,128,128)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--precision", default="input", choices=("input", "tf32"))
     p.add_argument("--save-policy", default=None, help="chunk()'s save_policy (default: the module's)")
     p.add_argument("--chunk-size", type=int, default=None, help="chunk()'s chunk_size (default: the module's rules)")
     p.add_argument("--no-backward", action="store_true", help="the forward alone, without gradients")
-    args = p.parse_args(argv)
+
+
+def run(args) -> int:
+    """Print each call's memory at every launch and its peak; bad input is an LrdslError (one line)."""
+    from . import config
+
+    config.never_interpret()  # nothing runs: the launches are only counted
+
+    from . import load
+    from .cli import _parse_shape
+    from .errors import LrdslError
+    from .passes.pipeline import run_pipeline
+    from .specs_registry import load_spec_by_name as load_spec
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    shapes = [_parse_shape(text) for text in args.shape or ["4,4096,16,32,128,128"]]  # all checked before any work
     for spec in args.specs:
         rec = run_pipeline(load_spec(spec), until="recurrence")["recurrence"]
         module = load(spec)
-        for text in args.shape or ["4,4096,16,32,128,128"]:
-            shape = Shape(*map(int, text.split(",")))
+        if not hasattr(module, "chunk"):
+            raise LrdslError(f"{spec}: {rec.name} has no chunk form: lrdsl memory measures chunk calls")
+        if args.save_policy is not None and args.save_policy not in module.SAVE_POLICIES:
+            raise LrdslError(f"--save-policy: {rec.name} has no save policy {args.save_policy!r}; "
+                             f"policies: {', '.join(module.SAVE_POLICIES)}")
+        if args.chunk_size is not None and args.chunk_size not in module.CHUNK_SIZES:
+            raise LrdslError(f"--chunk-size: {args.chunk_size} is not one of {rec.name}'s chunk sizes {module.CHUNK_SIZES}")
+        for shape in shapes:
             held = call_memory(module, rec, shape, dtype, args.precision, args.save_policy, args.chunk_size,
                                backward=not args.no_backward)
             call = "forward" if args.no_backward else "forward + backward"
@@ -135,6 +146,14 @@ def main(argv=None) -> int:
             top = peak(held)
             print(f"  peak {top.held_bytes / MiB:.1f} MiB at {top.kernel}: {top.describe_buffers()}")
     return 0
+
+
+def main(argv=None) -> int:
+    from .cli import run_tool
+
+    p = argparse.ArgumentParser(prog="python -m lrdsl.memory", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run_tool(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

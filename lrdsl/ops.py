@@ -32,12 +32,13 @@ import warnings
 import torch
 
 from . import config
+from .errors import InputError
 from .runtime.cache import atomic_write
 
 CHUNK_SIZES = (16, 32, 64)
 
 
-class OptionError(ValueError):
+class OptionError(InputError):
     """An FLA option lrdsl does not implement, or a combination FLA itself refuses (one line)."""
 
 

@@ -9,8 +9,9 @@ shared memory per block, and whether it fits (a block gets at most 232,448 bytes
 memory on sm_90). So what only the GPU compiler rejects (a tl.dot dimension under 16, say),
 register pressure and shared-memory overflows show up in CI, not on the GPU.
 
-    python -m lrdsl.resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
-                              [--chunk-size C|default] [--kernels TEXT] [--launch ROLE=BV,WARPS,STAGES[,MAXNREG] ...]
+    lrdsl resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
+                    [--chunk-size C|default] [--kernels TEXT] [--launch ROLE=BV,WARPS,STAGES[,MAXNREG] ...]
+                    (or python -m lrdsl.resources ...)
 
 --launch replaces a kernel role's launch settings (the roles of the module's CHUNK_LAUNCH: system,
 apply, scan, output, bwd_output, ...) after the module's own rules have chosen them; given several
@@ -44,6 +45,7 @@ class KernelResources:
     shared: int
     num_warps: int
     maxnreg: int | None = None  # the launch's register cap per thread, where it sets one
+    calls: str = ""  # which calls launch it: "chunk[split]", "chunk[split,fused]", "recurrent", ...
 
     @property
     def fits(self) -> bool:
@@ -63,12 +65,19 @@ class KernelResources:
         columns). Such a launch setting costs far more than its spills elsewhere would."""
         return self.spill_bytes > 0 and 2 * self.registers < self.register_cap
 
-    def describe(self) -> str:
-        verdict = "ok" if self.fits else f"OVER the {SM90_SHARED_LIMIT} B shared-memory limit"
+    @property
+    def verdict(self) -> str:
+        """"ok", or each problem: over the shared memory a block may have, starved of registers."""
+        problems = []
+        if not self.fits:
+            problems.append(f"OVER the {SM90_SHARED_LIMIT} B shared-memory limit")
         if self.starved:
-            verdict += f"  STARVED: {self.registers} of {self.register_cap} registers, spilling"
-        return (f"{self.kernel:<34} {self.launch:<32} regs {self.registers:>3}  spills {self.spill_bytes:>6} B"
-                f"  shared {self.shared:>7} B  {verdict}")
+            problems.append(f"STARVED: {self.registers} of {self.register_cap} registers, spilling")
+        return "  ".join(problems) or "ok"
+
+    def describe(self) -> str:
+        return (f"{self.kernel:<34} {self.calls:<19} {self.launch:<38} regs {self.registers:>3}  "
+                f"spills {self.spill_bytes:>6} B  shared {self.shared:>7} B  {self.verdict}")
 
 
 def _signature_type(value) -> str:
@@ -165,7 +174,10 @@ def _compile(fn, args, kwargs, arch: int):
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     launch = {key: kwargs[key] for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
-    shown = {k: v for k, v in bound.items() if k == "BV" or (k in SERVING_FLAGS and v)}
+    # the chunk size (one kernel may run at two: a training forward at the backward's), the value
+    # block, and the serving variants that are on
+    shown = {k: bound[k] for k in ("BV", "BT") if k in bound}
+    shown.update({k: v for k, v in bound.items() if k in SERVING_FLAGS and v})
     if bound.get("CC_BT", bound.get("BT")) != bound.get("BT"):  # the forward's solved systems, read by blocks
         shown["CC_BT"] = bound["CC_BT"]
     return compiled, launch, shown
@@ -255,6 +267,7 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     tensors = [t.to("meta") for t in tensors]
     h0 = torch.empty(shape.B, shape.HV, shape.K, shape.V, device="meta")
     options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    calls = []  # (launches recorded so far, the call that made them)
     with _LaunchRecorder(module) as recorder, _LaunchOverride(module, launch):
         for plan in getattr(module, "CHUNK_PLANS", ()):
             leaves = [t.detach().requires_grad_() for t in (*tensors, h0)]
@@ -263,7 +276,9 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
             (o.sum() + ht.sum()).backward()
             # without gradients too: a training call may run its forward at another chunk size
             module.chunk(*tensors, initial_state=h0, plan=plan, precision=precision, chunk_size=chunk_size, **options)
+            calls.append((len(recorder.launches), f"chunk[{plan}]"))
         module.recurrent(*tensors, initial_state=h0, **options)
+        calls.append((len(recorder.launches), "recurrent"))
         plain = [t.detach() for t in tensors]
         rows = (shape.B, shape.HV, shape.K, shape.V)
         indices = torch.empty(shape.B, dtype=torch.int32, device="meta")
@@ -273,34 +288,39 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
         _, draft = module.verify(*plain, use_qk_l2norm_in_kernel=True, state_pool=torch.empty(rows, device="meta"),
                                  state_indices=indices, validate=False)
         module.commit(draft, indices, validate=False)
-    seen, report = set(), []
-    for fn, args, kwargs in recorder.launches:
+        calls.append((len(recorder.launches), "serving"))
+    # each distinct compilation once, with every call that launches it
+    launches: dict[tuple, tuple] = {}
+    callers: dict[tuple, list[str]] = {}
+    for index, (fn, args, kwargs) in enumerate(recorder.launches):
         key = (fn.__name__, repr(args), repr(sorted(kwargs.items())))  # meta tensors print as shape and dtype
-        if only not in fn.__name__ or key in seen:
+        if only not in fn.__name__:
             continue
-        seen.add(key)
+        launches.setdefault(key, (fn, args, kwargs))
+        call = next(name for end, name in calls if index < end)
+        if call not in callers.setdefault(key, []):
+            callers[key].append(call)
+    report = []
+    for key, (fn, args, kwargs) in launches.items():
         compiled, launch_options, extra = _compile(fn, args, dict(kwargs), arch)
         launch = " ".join(f"{k}={v}" for k, v in {**launch_options, **extra}.items())
         registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
         report.append(KernelResources(fn.__name__, launch, registers, spills, compiled.metadata.shared,
-                                      launch_options.get("num_warps", 4), launch_options.get("maxnreg")))
+                                      launch_options.get("num_warps", 4), launch_options.get("maxnreg"),
+                                      _calls_shown(callers[key])))
     return report
 
 
-def main(argv=None) -> int:
-    from . import config
+def _calls_shown(calls: list[str]) -> str:
+    """["chunk[split]", "chunk[fused]"] -> "chunk[split,fused]"."""
+    plans = [c[len("chunk["):-1] for c in calls if c.startswith("chunk[")]
+    others = [c for c in calls if not c.startswith("chunk[")]
+    return " ".join(([f"chunk[{','.join(plans)}]"] if plans else []) + others)
 
-    config.never_interpret()  # compile for the target
-    import torch
 
-    from . import load
-    from .codegen.launch import CHUNK_LAUNCH
-    from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
-    from .workloads import Shape
-
-    p = argparse.ArgumentParser(prog="python -m lrdsl.resources", description=__doc__.split("\n\n")[0])
-    p.add_argument("specs", nargs="+", metavar="spec")
+def add_arguments(p) -> None:
+    """The options of `lrdsl resources` and `python -m lrdsl.resources`."""
+    p.add_argument("specs", nargs="+", metavar="spec", help="shipped spec names (lrdsl specs lists them) or spec files")
     p.add_argument("--shape", action="append", help="B,T,H,HV,K,V (repeat for several; default 1,256,2,4,128,128)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp64"))
     p.add_argument("--precision", default="input", choices=("input", "tf32"))
@@ -312,29 +332,40 @@ def main(argv=None) -> int:
     p.add_argument("--launch", action="append", metavar="ROLE=BV,WARPS,STAGES[,MAXNREG]",
                    help="launch settings replacing the module's for a kernel role ('ROLE=..;ROLE=..' for several); "
                         "repeat for one report per setting")
-    args = p.parse_args(argv)
+
+
+def run(args) -> int:
+    """Print the report; exit status 1 where a kernel does not fit. Bad input is an LrdslError (one line)."""
+    from . import config
+
+    config.never_interpret()  # compile for the target
+    import torch
+
+    from . import load
+    from .cli import _parse_shape
+    from .codegen.launch import CHUNK_LAUNCH
+    from .errors import LrdslError
+    from .passes.pipeline import run_pipeline
+    from .specs_registry import load_spec_by_name as load_spec
+
     # every setting checked before the first (slow) compile; the roles are every module's
     try:
         launches = [(f"  launch {text}", parse_launch(text, CHUNK_LAUNCH)) for text in args.launch or []]
     except ValueError as error:
-        p.error(str(error))
+        raise LrdslError(str(error)) from None
+    shapes = [_parse_shape(text) for text in args.shape or ["1,256,2,4,128,128"]]
+    if args.chunk_size not in (None, "default") and not args.chunk_size.isdigit():
+        raise LrdslError(f"--chunk-size takes a chunk size or 'default', got {args.chunk_size!r}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
     fits = True
     for spec in args.specs:
         rec = run_pipeline(load_spec(spec), until="recurrence")["recurrence"]
         module = load(spec)
-        for text in args.shape or ["1,256,2,4,128,128"]:
-            shape = Shape(*map(int, text.split(",")))
-            largest = module.largest_chunk_size(shape.K, args.precision, dtype)
-            if args.chunk_size == "default":
-                # the module's own rules (chunk() takes these with no chunk_size; the backward is free
-                # to choose: no chunk_indices here)
-                chunk_size, forward = None, min(module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, args.precision], largest)
-                backward = module._backward_chunk_size(forward, args.precision, True)
-                shown = f"default (forward {forward}, backward and the training forward {backward})"
-            else:
-                chunk_size = int(args.chunk_size) if args.chunk_size else largest
-                shown = chunk_size
+        sizes = getattr(module, "CHUNK_SIZES", ())
+        if args.chunk_size not in (None, "default") and int(args.chunk_size) not in sizes:
+            raise LrdslError(f"--chunk-size: {args.chunk_size} is not one of {rec.name}'s chunk sizes {sizes}")
+        for shape in shapes:
+            chunk_size, shown = _chunk_size_shown(module, shape, args.precision, dtype, args.chunk_size)
             for setting, launch in launches or [("", None)]:
                 print(f"{rec.name}  {shape}  {args.dtype}  precision={args.precision}  chunk_size={shown}  sm_90{setting}")
                 report = kernel_resources(module, rec, shape, dtype, args.precision, chunk_size=chunk_size,
@@ -343,6 +374,29 @@ def main(argv=None) -> int:
                     print(row.describe())
                 fits = fits and all(r.fits for r in report)
     return 0 if fits else 1
+
+
+def _chunk_size_shown(module, shape, precision, dtype, asked):
+    """(chunk_size for chunk(), how the header shows it) for --chunk-size `asked`."""
+    if not hasattr(module, "largest_chunk_size"):  # no chunk form: the recurrent and serving kernels only
+        return None, "-"
+    largest = module.largest_chunk_size(shape.K, precision, dtype)
+    if asked == "default":
+        # the module's own rules (chunk() takes these with no chunk_size; the backward is free to
+        # choose: no chunk_indices here)
+        forward = min(module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, precision], largest)
+        backward = module._backward_chunk_size(forward, precision, True)
+        return None, f"default (forward {forward}, backward and the training forward {backward})"
+    chunk_size = int(asked) if asked else largest
+    return chunk_size, chunk_size
+
+
+def main(argv=None) -> int:
+    from .cli import run_tool
+
+    p = argparse.ArgumentParser(prog="python -m lrdsl.resources", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run_tool(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

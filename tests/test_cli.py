@@ -98,13 +98,17 @@ def test_compile_writes_standalone_module(tmp_path):
     assert f"wrote {out}" in result.stdout
     assert oct(out.stat().st_mode & 0o777) == oct(0o644), "the umask decides the mode, as for any file"
     tree = ast.parse(out.read_text())
-    imported = set()
+    imported, optional = set(), set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and [ast.unparse(h.type) for h in node.handlers] == ["ImportError"]:
+            optional |= {n.module for n in node.body if isinstance(n, ast.ImportFrom)}  # lrdsl's InputError, where installed
+            continue
         if isinstance(node, ast.Import):
             imported |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
+        elif isinstance(node, ast.ImportFrom) and node.module not in optional:
             imported.add(node.module.split(".")[0])
     assert imported == {"torch", "triton"}
+    assert optional == {"lrdsl.errors"}
 
 
 def test_standalone_module_runs_without_lrdsl(tmp_path, generator):
@@ -639,3 +643,93 @@ def test_cache_info_of_a_cache_not_made_yet(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == f"module cache {tmp_path / 'none'} (not created yet)"
     assert not (tmp_path / "none").exists()
+
+
+# -- discovery and the measuring tools as subcommands (issue 44) -------------------------------------
+
+def test_version():
+    """Before: `lrdsl --version` was an argparse error."""
+    import lrdsl
+
+    result = run(["--version"])
+    assert result.returncode == 0 and result.stdout.strip() == f"lrdsl {lrdsl.__version__}", result.stderr
+
+
+def test_specs_lists_every_shipped_spec_with_its_summary():
+    """Before: no command listed the shipped specs (`lrdsl specs` was an argparse error)."""
+    from lrdsl.specs_registry import load_spec_by_name, shipped_spec_names
+
+    result = run(["specs"], cwd=ROOT.parent)
+    assert result.returncode == 0, result.stderr
+    for name in shipped_spec_names():
+        assert re.search(rf"^  {name} +{re.escape(load_spec_by_name(name).summary)}$", result.stdout, re.M), name
+
+
+def test_every_spec_argument_has_help_and_demo_defaults_to_the_shipped_name():
+    """Before: `spec` had no help text, and demo's default was the checkout path specs/gdn.toml,
+    which an installed lrdsl run elsewhere does not have."""
+    from lrdsl.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, command in commands.items():
+        for action in command._actions:
+            if action.dest in ("spec", "specs"):
+                assert action.help, f"lrdsl {name}: {action.dest} has no help text"
+    assert parser.parse_args(["demo"]).spec == "gdn"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["check", "gdn", "--plan", "nope"], "--plan: gdn has no chunk plan 'nope'; plans: split, fused"),
+    (["check", "gdn", "--chunk-size", "128"], "--chunk-size: 128 is not one of gdn's chunk sizes (16, 32, 64)"),
+])
+def test_check_refuses_plan_and_chunk_size_before_the_header(args, fragment):
+    """Before: the header printed, then the error."""
+    result = run(args)
+    assert_one_line_error(result, fragment)
+    assert result.stdout == ""
+
+
+TOOL_ERRORS = [
+    (["memory", "gdn", "--save-policy", "nope"], "--save-policy: gdn has no save policy 'nope'"),
+    (["memory", "gdn", "--chunk-size", "128"], "--chunk-size: 128 is not one of gdn's chunk sizes (16, 32, 64)"),
+    (["memory", "specs/nosuch.toml"], "specs/nosuch.toml: "),
+    (["memory", "gdn", "--shape", "1,2,3"], "--shape takes six positive integers"),
+    (["resources", "gdn", "--chunk-size", "128"], "--chunk-size: 128 is not one of gdn's chunk sizes (16, 32, 64)"),
+    (["resources", "gdn", "--chunk-size", "big"], "--chunk-size takes a chunk size or 'default'"),
+    (["resources", "nosuch"], "nosuch: no such spec file, and no shipped spec of that name"),
+    (["resources", "gdn", "--launch", "nope=1,2,3"], "unknown kernel role 'nope'"),
+]
+
+
+@pytest.mark.parametrize("args, fragment", TOOL_ERRORS)
+def test_memory_and_resources_say_bad_input_in_one_line(args, fragment):
+    """`lrdsl memory|resources` and `python -m lrdsl.memory|resources` alike. Before: tracebacks
+    (unknown save policy, chunk size 128, a missing spec), and no such subcommands."""
+    assert_one_line_error(run(args), fragment)
+    if args[1:2] != ["gdn"] or args[2:3] == ["--chunk-size"]:  # python -m: a case of each kind (CI's time)
+        result = subprocess.run([sys.executable, "-m", f"lrdsl.{args[0]}", *args[1:]], cwd=ROOT, env=user_environment(),
+                                capture_output=True, text=True, timeout=600)
+        assert_one_line_error(result, fragment)
+
+
+def test_memory_subcommand_prints_the_peak():
+    result = run(["memory", "gdn", "--shape", "1,64,1,2,16,16", "--no-backward"])
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^  peak \d+\.\d MiB at ", result.stdout, re.M), result.stdout
+
+
+@pytest.mark.skipif(HAS_GPU, reason="with a GPU there is no interpreter to turn on")
+def test_import_lrdsl_turns_the_interpreter_on_or_says_why_it_cannot():
+    """Without a GPU, `import lrdsl` sets TRITON_INTERPRET=1 (before: only the CLI and the examples
+    did, so the README's Python failed on a CPU); where triton was imported first it is too late,
+    and one warning line says so and what to do."""
+    script = "import os, lrdsl; print(os.environ.get('TRITON_INTERPRET'))"
+    first = subprocess.run([sys.executable, "-c", script], env=user_environment(), capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0 and first.stdout.strip() == "1" and first.stderr == "", first.stderr
+    late = subprocess.run([sys.executable, "-c", "import triton; " + script], env=user_environment(), capture_output=True,
+                          text=True, timeout=600)
+    assert late.returncode == 0 and late.stdout.strip() == "None", late.stdout + late.stderr
+    (line,) = late.stderr.strip().splitlines()
+    assert "InterpreterWarning: no GPU, and triton was imported before lrdsl" in line and "import lrdsl first" in line

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,23 @@ def check_bench(result, cwd):
     assert_one_line_error(result, "bench needs a CUDA GPU")
 
 
+def check_specs(result, cwd):
+    assert result.returncode == 0, result.stderr
+    from lrdsl.specs_registry import shipped_spec_names
+
+    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == list(shipped_spec_names())
+
+
+def check_memory(result, cwd):
+    """The README's figure is what the tool prints (it said 1963 MiB, from before the backward's
+    storage reuse, while the tool printed 1835)."""
+    assert result.returncode == 0, result.stderr
+    printed = float(re.search(r"^  peak (\d+\.\d) MiB at ", result.stdout, re.M).group(1))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    documented = re.search(r"`lrdsl memory specs/gdn\.toml`.*?a peak of (\d+) MiB", readme).group(1)
+    assert int(documented) == round(printed), (documented, printed)
+
+
 SHELL_EXAMPLES = {
     "lrdsl compile specs/gdn.toml -o gdn_ops.py": check_compile,
     "lrdsl show specs/gdn.toml --stage chunk": check_show_chunk,
@@ -109,13 +127,17 @@ SHELL_EXAMPLES = {
     "lrdsl check specs/gdn.toml --prove": check_prove,
     "lrdsl bench specs/gdn.toml": check_bench,
     "lrdsl bench specs/gdn.toml --backward": check_bench,
+    "lrdsl specs": check_specs,
+    "lrdsl memory specs/gdn.toml": check_memory,
 }
 # run by their own tests below
 LONG_EXAMPLES = ("make demo", "make test", "lrdsl check specs/gdn.toml")
+# run on a GPU machine only (tests/test_bench.py checks the phases it runs)
+GPU_MACHINE_EXAMPLES = ("bash scripts/bench_peers.sh PHASE",)
 
 
 def test_every_shell_example_has_a_test():
-    assert sorted(shell_examples()) == sorted(list(SHELL_EXAMPLES) + list(LONG_EXAMPLES))
+    assert sorted(shell_examples()) == sorted(list(SHELL_EXAMPLES) + list(LONG_EXAMPLES) + list(GPU_MACHINE_EXAMPLES))
 
 
 @pytest.mark.parametrize("command", list(SHELL_EXAMPLES))
@@ -167,9 +189,42 @@ def test_the_documents_have_four_python_examples():
     assert [len(fenced_blocks(path, "python")) for path in DOCUMENTS] == [4, 0]
 
 
-def test_readme_python_example(generator, monkeypatch):
+def run_as_user(code: str, cwd: Path, inputs: dict, outputs: dict, setup: str = "", after: str = "",
+                timeout=900) -> dict:
+    """Run a documented example as a user does: a fresh Python process with no test fixtures,
+    TRITON_INTERPRET unset (lrdsl must turn the interpreter on itself where there is no GPU),
+    `inputs` (the set-up the document leaves to the reader) loaded by torch alone before the
+    example, so that the example's own import of lrdsl comes first unless `setup` imports
+    something. `after` runs after the example; `outputs` maps names to expressions evaluated
+    then. Returns {name: value}."""
+    torch.save(inputs, cwd / "example_inputs.pt")
+    script = "\n".join([
+        "import sys",
+        "import torch",
+        f"globals().update(torch.load({str(cwd / 'example_inputs.pt')!r}, weights_only=False))",
+        setup,
+        "assert 'lrdsl' in sys.modules or 'triton' not in sys.modules, 'the set-up imported triton before lrdsl'",
+        "# ---- the example, as written",
+        code,
+        "# ---- after it",
+        after,
+        f"torch.save({{name: eval(expr) for name, expr in {outputs!r}.items()}}, {str(cwd / 'example_outputs.pt')!r})",
+    ])
+    (cwd / "example.py").write_text(script)
+    environment = user_environment()
+    assert "TRITON_INTERPRET" not in environment
+    result = subprocess.run([sys.executable, str(cwd / "example.py")], cwd=cwd, env=environment, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return torch.load(cwd / "example_outputs.pt", weights_only=False)
+
+
+GRADIENTS = ("q", "k", "v", "g", "beta", "h0")
+
+
+def test_readme_python_example(generator, tmp_path):
     example = fenced_blocks(ROOT / "README.md", "python")[0]
-    monkeypatch.chdir(ROOT)
+    (tmp_path / "specs").symlink_to(ROOT / "specs")
     # ---- set-up the README leaves to the reader: small GDN inputs (B=1, T=20, H=1, HV=2, K=16, V=24),
     # ---- the next token's inputs for decode, and the gradient of o
     rec = recurrence("gdn")
@@ -178,24 +233,31 @@ def test_readme_python_example(generator, monkeypatch):
     h0 = torch.randn(1, 2, 16, 24, generator=generator).requires_grad_()
     do = torch.randn(1, 20, 2, 24, generator=generator)
     q1, k1, v1, g1, beta1 = make_inputs(rec, Shape(1, 1, 1, 2, 16, 24), generator=generator)
-    namespace = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, do=do, q1=q1, k1=k1, v1=v1, g1=g1, beta1=beta1)
-    # ---- the example, as written
-    exec(compile(example, "README.md example", "exec"), namespace)
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, do=do, q1=q1, k1=k1, v1=v1, g1=g1, beta1=beta1)
+    got = run_as_user(example, tmp_path, inputs, {"o": "o.detach()", "o1": "o1", "ht": "ht",
+                                                   **{f"d{name}": f"{name}.grad" for name in GRADIENTS}})
 
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
     ref_o, ref_ht = reference.run(rec, *leaves[:5], initial_state=leaves[5], output_final_state=True,
                                   use_qk_l2norm_in_kernel=True)
-    assert_close(namespace["o"], ref_o, torch.float32, "chunk o")
+    assert_close(got["o"], ref_o, torch.float32, "chunk o")
     ref_grads = torch.autograd.grad((ref_o * do.double()).sum(), leaves)
-    for name, leaf, ref_grad in zip(("q", "k", "v", "g", "beta", "h0"), (q, k, v, g, beta, h0), ref_grads):
-        assert_close(leaf.grad, ref_grad, torch.float32, f"gradient of {name}")
+    for name, ref_grad in zip(GRADIENTS, ref_grads):
+        assert_close(got[f"d{name}"], ref_grad, torch.float32, f"gradient of {name}")
     ref_o1, ref_ht1 = reference.run(rec, q1, k1, v1, g1, beta1, initial_state=ref_ht.detach(), output_final_state=True,
                                     use_qk_l2norm_in_kernel=True)
-    assert_close(namespace["o1"], ref_o1, torch.float32, "decode o")
-    assert_close(namespace["ht"], ref_ht1, torch.float32, "decode final state")
+    assert_close(got["o1"], ref_o1, torch.float32, "decode o")
+    assert_close(got["ht"], ref_ht1, torch.float32, "decode final state")
 
 
-def test_readme_layer_example(generator):
+# The README's set-up for the layer and ops examples: transformers' objects. Its Qwen3.5 model
+# imports triton, so on a machine without a GPU lrdsl is imported first, as the README says.
+IMPORT_LRDSL_FIRST = "import lrdsl  # first (the README): before transformers' Qwen3.5 model imports triton"
+# the layer example's hf_layer: a stand-in holding transformers' layer's weights (its state_dict)
+SAVED_LAYER = "class SavedLayer:\n    def state_dict(self):\n        return weights\nhf_layer = SavedLayer()"
+
+
+def test_readme_layer_example(generator, tmp_path):
     """The layer example as written, on a tiny Qwen3.5 config, against transformers' own layer
     (its PyTorch path) holding the same weights."""
     from test_layer import randomize, tiny_config
@@ -206,91 +268,93 @@ def test_readme_layer_example(generator):
     hf_layer = Qwen3_5GatedDeltaNet(config, layer_idx=0)
     randomize(hf_layer, generator)
     hidden_states = torch.randn(2, 13, config.hidden_size, generator=generator)
-    namespace = dict(config=config, hf_layer=hf_layer, hidden_states=hidden_states)
-    exec(compile(example, "README.md layer example", "exec"), namespace)
+    inputs = dict(config=config, weights=hf_layer.state_dict(), hidden_states=hidden_states)
+    got = run_as_user(example, tmp_path, inputs, {"out": "out.detach()"},
+                      setup=SAVED_LAYER)
     with torch.no_grad():
         expected = hf_layer(hidden_states)
-    assert_close(namespace["out"].detach(), expected, torch.float32, "layer output")
+    assert_close(got["out"], expected, torch.float32, "layer output")
 
 
-def test_readme_ops_example(generator):
+def test_readme_ops_example(generator, tmp_path):
     """The ops and integrations example as written: the FLA-named functions compute the oracle's
     recurrence, and the model's layers are transformers' again after unpatch."""
     from test_layer import tiny_config
-    from transformers import Qwen3_5ForCausalLM
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     example = fenced_blocks(ROOT / "README.md", "python")[2]
-    model = Qwen3_5ForCausalLM(tiny_config())
-    namespace = dict(model=model)
-    exec(compile(example, "README.md ops example", "exec"), namespace)
-    assert all(isinstance(m, Qwen3_5GatedDeltaNet) for m in model.modules() if hasattr(m, "A_log"))
     rec = recurrence("gdn")
     q, k, v, g, beta = make_inputs(rec, Shape(1, 20, 1, 2, 16, 24), generator=generator)
-    o, ht = namespace["chunk_gated_delta_rule"](q=q, k=k, v=v, g=g, beta=beta, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)
+    inputs = dict(config=tiny_config(), q=q, k=k, v=v, g=g, beta=beta)
+    setup = "\n".join([IMPORT_LRDSL_FIRST, "from transformers import Qwen3_5ForCausalLM",
+                       "model = Qwen3_5ForCausalLM(config)"])
+    after = "\n".join([
+        "from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet",
+        "unpatched = all(isinstance(m, Qwen3_5GatedDeltaNet) for m in model.modules() if hasattr(m, 'A_log'))",
+        "o, ht = chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, output_final_state=True, "
+        "use_qk_l2norm_in_kernel=True)",
+    ])
+    got = run_as_user(example, tmp_path, inputs, {"unpatched": "unpatched", "o": "o", "ht": "ht"}, setup=setup,
+                      after=after)
+    assert got["unpatched"]
     ref_o, ref_ht = reference.run(rec, q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    assert_close(o, ref_o, torch.float32, "ops chunk o")
-    assert_close(ht, ref_ht, torch.float32, "ops chunk final state")
+    assert_close(got["o"], ref_o, torch.float32, "ops chunk o")
+    assert_close(got["ht"], ref_ht, torch.float32, "ops chunk final state")
 
 
-def test_readme_serving_example(generator, monkeypatch):
+def test_readme_serving_example(generator, tmp_path):
     """The serving example as written: prompts of 6, 0 and 9 tokens prefilled into rows 4, 0, 2 of
     a pool of 5; a decode step and a verify of 4 drafts on slots (2, -1, 4); commit of 3 and 1."""
     example = fenced_blocks(ROOT / "README.md", "python")[3]
-    monkeypatch.chdir(ROOT)
-    import lrdsl
-
-    rec, mod = recurrence("gdn"), lrdsl.load("gdn")
+    rec = recurrence("gdn")
     P, HV, K, V = 5, 2, 16, 24
     prompt = make_inputs(rec, Shape(1, 15, 1, HV, K, V), generator=generator)
     step = make_inputs(rec, Shape(3, 1, 1, HV, K, V), generator=generator)
     drafts = make_inputs(rec, Shape(3, 4, 1, HV, K, V), generator=generator)
-    namespace = dict(torch=torch, mod=mod, P=P, HV=HV, K=K, V=V, cu_seqlens=torch.tensor([0, 6, 6, 15]),
-                     rows=torch.tensor([4, 0, 2]), slots=torch.tensor([2, -1, 4]), num_accepted=torch.tensor([3, 0, 1]))
+    inputs = dict(P=P, HV=HV, K=K, V=V, cu_seqlens=torch.tensor([0, 6, 6, 15]), rows=torch.tensor([4, 0, 2]),
+                  slots=torch.tensor([2, -1, 4]), num_accepted=torch.tensor([3, 0, 1]))
     for suffix, tensors in (("", prompt), ("1", step), ("4", drafts)):
-        namespace.update({name + suffix: t for name, t in zip(("q", "k", "v", "g", "beta"), tensors)})
-    with torch.no_grad():
-        exec(compile(example, "README.md serving example", "exec"), namespace)
+        inputs.update({name + suffix: t for name, t in zip(("q", "k", "v", "g", "beta"), tensors)})
+    # the README's `mod` (its first example) and no gradients (the README: pool calls have none)
+    setup = "import lrdsl\nmod = lrdsl.load('gdn')\ntorch.set_grad_enabled(False)"
+    got = run_as_user(example, tmp_path, inputs, {"o": "o", "o1": "o1", "o4": "o4", "pool": "pool"}, setup=setup)
 
     states = torch.zeros(P, HV, K, V, dtype=torch.float64)
     ref_o, final = reference.run(rec, *prompt, cu_seqlens=torch.tensor([0, 6, 6, 15]), output_final_state=True)
     states[[4, 0, 2]] = final
-    assert_close(namespace["o"], ref_o, torch.float32, "prefill o")
+    assert_close(got["o"], ref_o, torch.float32, "prefill o")
     ref_o1, final = reference.run(rec, *step, initial_state=states[[2, 0, 4]], output_final_state=True)
     ref_o1[1] = 0  # the padding slot
-    assert_close(namespace["o1"], ref_o1, torch.float32, "decode o")
+    assert_close(got["o1"], ref_o1, torch.float32, "decode o")
     states[2], states[4] = final[0], final[2]
     ref_o4, _ = reference.run(rec, *drafts, initial_state=states[[2, 0, 4]])
     ref_o4[1] = 0
-    assert_close(namespace["o4"], ref_o4, torch.float32, "verify o")
+    assert_close(got["o4"], ref_o4, torch.float32, "verify o")
     for n, row, accepted in ((0, 2, 3), (2, 4, 1)):  # slot, its row, its accepted drafts
         _, final = reference.run(rec, *[t[n:n + 1, :accepted] for t in drafts], initial_state=states[row][None],
                                  output_final_state=True)
         states[row] = final[0]
-    assert_close(namespace["pool"], states, torch.float32, "pool after commit")
+    assert_close(got["pool"], states, torch.float32, "pool after commit")
 
 
-def test_readme_varlen_recipe(generator, monkeypatch):
+def test_readme_varlen_recipe(generator, tmp_path):
     """The README's way to get chunk_indices for a packed batch, used as it says."""
     (recipe,) = [c for c in inline_code(ROOT / "README.md") if "prepare_varlen(" in c]
-    monkeypatch.chdir(ROOT)
-    import lrdsl
-
-    rec, mod = recurrence("gdn"), lrdsl.load("specs/gdn.toml")
+    (tmp_path / "specs").symlink_to(ROOT / "specs")
+    rec = recurrence("gdn")
     tensors = make_inputs(rec, Shape(1, 21, 1, 2, 16, 24), generator=generator)
     cu_seqlens, chunk_size = torch.tensor([0, 4, 4, 21], dtype=torch.int32), 16
-    namespace = dict(mod=mod, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     try:  # an expression giving the indices ...
-        chunk_indices = eval(compile(recipe, "README.md", "eval"), namespace)
+        compile(recipe, "README.md", "eval")
+        code = f"chunk_indices = {recipe}"
     except SyntaxError:  # ... or a statement that names them
-        exec(compile(recipe, "README.md", "exec"), namespace)
-        chunk_indices = namespace["chunk_indices"]
-    o, ht = mod.chunk(*tensors, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
-                      output_final_state=True)
+        code = recipe
+    after = ("o, ht = mod.chunk(*tensors, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, "
+             "output_final_state=True)")
+    got = run_as_user(code, tmp_path, dict(tensors=tensors, cu_seqlens=cu_seqlens, chunk_size=chunk_size),
+                      {"o": "o", "ht": "ht"}, setup="import lrdsl\nmod = lrdsl.load('specs/gdn.toml')", after=after)
     ref_o, ref_ht = reference.run(rec, *tensors, cu_seqlens=cu_seqlens, output_final_state=True)
-    assert_close(o, ref_o, torch.float32, "varlen o")
-    assert_close(ht, ref_ht, torch.float32, "varlen final state")
+    assert_close(got["o"], ref_o, torch.float32, "varlen o")
+    assert_close(got["ht"], ref_ht, torch.float32, "varlen final state")
 
 
 # -- facts the documents list ---------------------------------------------------------------------

@@ -1,9 +1,12 @@
-"""examples/serving_decode.py as a user runs it (a fresh process; CPU: Triton's interpreter, GPU:
-its CUDA-graph steps): it exits 0, and every error it prints against the float64 oracle is
-within the tolerance of its dtypes."""
+"""Every command each example's docstring documents, run as a user runs it (a fresh process,
+TRITON_INTERPRET unset; CPU: Triton's interpreter, GPU: as is): it ends with its verdict, "ok"
+(or "identical" for the generation), exits 0, and every error it prints against the float64
+oracle is within the tolerance of its dtypes. A command that needs a GPU is refused on a CPU in
+one line (exit status 2) that says why and what to run instead."""
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 
@@ -12,16 +15,70 @@ import pytest
 from conftest import HAS_GPU, ROOT
 from test_cli import user_environment
 
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
-@pytest.mark.parametrize("options", [[], ["--spec", "kda", "--state-dtype", "float16"]])
-def test_serving_decode_example(options):
-    result = subprocess.run([sys.executable, "examples/serving_decode.py", *options], cwd=ROOT, env=user_environment(),
-                            capture_output=True, text=True, timeout=1200)
+
+def documented_commands() -> list[str]:
+    """The `python examples/X.py ...` lines of every example's docstring (comments dropped)."""
+    commands = []
+    for path in EXAMPLES:
+        text = path.read_text()
+        docstring = text[text.index('"""') + 3:text.index('"""', text.index('"""') + 3)]
+        commands += [line.split("#")[0].strip() for line in docstring.splitlines()
+                     if line.strip().startswith(f"python examples/{path.name}")]
+    return commands
+
+
+# On a CPU these are refused: (what the one line must say)
+NEEDS_GPU = {
+    "python examples/serving_decode.py --state-dtype bfloat16": "use --state-dtype float16 on a CPU",
+    "python examples/qwen35_layer.py --released": "run it without --released",
+}
+
+
+def test_every_example_documents_its_commands():
+    assert {p.name for p in EXAMPLES} == {"serving_decode.py", "qwen35_layer.py", "qwen35_generate.py"}
+    assert {c.split()[1] for c in documented_commands()} == {f"examples/{p.name}" for p in EXAMPLES}
+    assert set(NEEDS_GPU) <= set(documented_commands())
+
+
+@pytest.mark.parametrize("command", documented_commands())
+def test_documented_example_command(command):
+    environment = user_environment()
+    assert "TRITON_INTERPRET" not in environment
+    words = shlex.split(command)
+    result = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=environment, capture_output=True, text=True,
+                            timeout=1200)
+    if command in NEEDS_GPU and not HAS_GPU:
+        assert result.returncode == 2, result.stdout + result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert "needs a GPU" in line and NEEDS_GPU[command] in line, line
+        return
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[-1] == "ok", result.stdout
+    last = result.stdout.splitlines()[-1]
+    assert last == ("identical" if "qwen35_generate" in command else "ok"), result.stdout
+    if "serving_decode" in command:
+        check_serving_output(command, result.stdout)
+
+
+def check_serving_output(command, stdout):
     for needed in ("prefill A (5 tokens)", "B leaves", "D joins slot 1", "verify 3 drafts each, accepted", "final pool rows"):
-        assert needed in result.stdout, needed
-    errors = [float(x) for x in re.findall(r"relative error vs the oracle (\S+)", result.stdout)]
-    limit = 8e-3 if HAS_GPU or options else 2e-3  # bf16 inputs on a GPU, an fp16 pool
-    assert len(errors) == 9 and max(errors) <= limit, result.stdout  # 2 prefills, 6 steps, the final rows
+        assert needed in stdout, needed
+    errors = [float(x) for x in re.findall(r"relative error vs the oracle (\S+)", stdout)]
+    sixteen_bit = HAS_GPU or "--state-dtype" in command  # bf16 inputs on a GPU, a 16-bit pool
+    limit = 8e-3 if sixteen_bit else 2e-3
+    assert len(errors) == 9 and max(errors) <= limit, stdout  # 2 prefills, 6 steps, the final rows
+
+
+def test_a_failing_serving_check_names_itself(monkeypatch, capsys):
+    """Before: "FAILED: an error above the tolerance", without saying which check."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import serving_decode
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    monkeypatch.setitem(serving_decode.TOLERANCE, serving_decode.torch.float32, 1e-12)  # every check fails
+    assert serving_decode.main([]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("FAILED: prefill o ") and "step 0: o " in last and "final pool rows" in last, last
+    assert re.search(r"final pool rows of the requests in the batch \d\.\de-\d\d > 1e-12$", last), last

@@ -106,7 +106,9 @@ def test_wheel_installs_into_a_clean_environment_and_runs_from_another_directory
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", str(source),
          "-w", str(wheels)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
+    assert "deprecat" not in build.stderr.lower(), build.stderr[-3000:]  # the license table form was, at every build
     (wheel,) = wheels.glob("lrdsl-*.whl")
+    check_wheel_metadata(wheel)
 
     environment = tmp_path / "env"
     venv.EnvBuilder(with_pip=False).create(environment)
@@ -120,7 +122,8 @@ def test_wheel_installs_into_a_clean_environment_and_runs_from_another_directory
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    # a user's shell: no PYTHONPATH, and no TRITON_INTERPRET (import lrdsl turns it on without a GPU)
+    env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env["LRDSL_CACHE_DIR"] = str(tmp_path / "cache")
     run = subprocess.run([python, "-c", INSTALLED_CHECK], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -130,3 +133,57 @@ def test_wheel_installs_into_a_clean_environment_and_runs_from_another_directory
                               env=env, capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr
     assert "def chunk(" in (elsewhere / "gdn_ops.py").read_text()
+
+
+def check_wheel_metadata(wheel: Path):
+    """What `pip install lrdsl` holds: the license as an SPDX expression with its text shipped,
+    the Python versions CI runs, and numpy below 2.4 (Triton 3.6's CPU interpreter fails on every
+    chunk call with 2.4)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        text = archive.read(metadata).decode()
+    assert "License-Expression: Apache-2.0" in text.splitlines()
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    assert f"Requires-Python: >={'.'.join(map(str, declared_python()))}" in text.splitlines()
+    assert "Requires-Dist: numpy<2.4" in text.splitlines(), [line for line in text.splitlines() if "numpy" in line]
+
+
+def test_license_file_is_the_apache_license():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "Apache-2.0"
+
+
+def declared_python() -> tuple[int, ...]:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert declared.startswith(">="), declared
+    return tuple(int(x) for x in declared[2:].split("."))
+
+
+# Standard-library modules lrdsl imports that older Pythons lack, with the version that added them.
+NEWER_STDLIB = {"tomllib": (3, 11)}
+
+
+def test_declared_python_is_what_the_code_needs_and_ci_runs():
+    """requires-python was >= 3.10 while the spec reader imports tomllib (3.11): `lrdsl show gdn`
+    failed on 3.10. The declared minimum covers every module lrdsl imports, and `make setup` (CI's
+    .venv) is built with that oldest version where it is installed."""
+    import ast
+
+    minimum = declared_python()
+    for path in (ROOT / "lrdsl").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for name in names:
+                needed = NEWER_STDLIB.get(name.split(".")[0], (0,))
+                assert needed <= minimum, f"{path.relative_to(ROOT)} imports {name} (Python {needed}), declared {minimum}"
+    oldest = "python" + ".".join(map(str, minimum))
+    chosen = subprocess.run(["make", "-s", "python-version"], cwd=ROOT, capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHON"})
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.strip() == (oldest if shutil.which(oldest) else "python3")
+    assert sys.version_info[:len(minimum)] >= minimum

@@ -183,3 +183,28 @@ def test_a_register_cap_in_the_launch_setting_reaches_ptxas():
     assert header.endswith("launch apply=128,4,2,128"), header
     registers = [int(row.split("regs")[1].split()[0]) for row in rows]
     assert rows and all("maxnreg=128" in row for row in rows) and max(registers) <= 128, rows
+
+
+def test_the_verdict_is_ok_only_without_a_problem():
+    """Before: a starved row read "ok  STARVED: ..." (and an over-limit one could too)."""
+    from lrdsl.resources import KernelResources
+
+    starved = KernelResources("k", "", 32, 8000, 0, 4)
+    assert starved.verdict == "STARVED: 32 of 255 registers, spilling" and " ok" not in starved.describe()
+    over = KernelResources("k", "", 255, 8000, 300_000, 4)
+    assert over.verdict.startswith("OVER the 232448 B") and "STARVED" not in over.verdict
+    assert KernelResources("k", "", 128, 0, 1024, 4).verdict == "ok"
+
+
+def test_rows_name_their_calls_and_chunk_size():
+    """Before: the same kernel appeared twice (a training forward at the backward's chunk size, a
+    forward without gradients at its own) with nothing telling the rows apart, and no row said
+    which plan launches it. Now each row names its calls and chunk size, and no two rows read alike."""
+    [(header, rows)] = compile_for_sm90(["gdn"], ["1,64,1,2,32,32"], "--chunk-size", "default",
+                                        "--kernels", "prepare").items()
+    fused = [row for row in rows if row.startswith("gdn_chunk_prepare_kernel ")]
+    assert len(fused) == 2 and all(" chunk[fused] " in row for row in fused), rows
+    assert sorted(re.search(r" BT=(\d+) ", row).group(1) for row in fused) == ["32", "64"], fused
+    shared = [row for row in rows if row.startswith("gdn_chunk_bwd_prepare_kernel ")]
+    assert shared and all(" chunk[split,fused] " in row for row in shared), rows
+    assert len(set(rows)) == len(rows), rows

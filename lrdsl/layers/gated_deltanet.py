@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..errors import LrdslError
+from ..errors import InputError
 from .kernels import layer_kernels
 
 # The shipped spec whose kernels run the recurrence: Qwen3.5's gate and beta computed in-kernel.
@@ -90,14 +90,14 @@ class GatedRMSNorm(nn.Module):
 def _check_config(config) -> None:
     missing = [name for name in CONFIG_ATTRIBUTES if not hasattr(config, name)]
     if missing:
-        raise LrdslError(f"GatedDeltaNet: the config lacks {', '.join(missing)} (a Qwen3.5 text config has them)")
+        raise InputError(f"GatedDeltaNet: the config lacks {', '.join(missing)} (a Qwen3.5 text config has them)")
     if config.linear_num_value_heads % config.linear_num_key_heads:
-        raise LrdslError(
+        raise InputError(
             f"GatedDeltaNet: linear_num_value_heads={config.linear_num_value_heads} must be a multiple of "
             f"linear_num_key_heads={config.linear_num_key_heads}"
         )
     if config.hidden_act not in ("silu", "swish"):
-        raise LrdslError(f"GatedDeltaNet: hidden_act {config.hidden_act!r} is not supported (the convolution applies SiLU)")
+        raise InputError(f"GatedDeltaNet: hidden_act {config.hidden_act!r} is not supported (the convolution applies SiLU)")
 
 
 class GatedDeltaNet(nn.Module):
@@ -162,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         ours = dict(shared.named_parameters())
         if set(theirs) != set(ours) or any(theirs[name].shape != ours[name].shape for name in ours):
             differing = sorted(set(theirs) ^ set(ours)) or [n for n in ours if theirs[n].shape != ours[n].shape]
-            raise LrdslError(f"GatedDeltaNet: {type(layer).__name__}'s parameters differ from Qwen3.5's ({', '.join(differing)})")
+            raise InputError(f"GatedDeltaNet: {type(layer).__name__}'s parameters differ from Qwen3.5's ({', '.join(differing)})")
         for name, parameter in theirs.items():
             owner, _, attribute = name.rpartition(".")
             setattr(shared.get_submodule(owner), attribute, parameter)
@@ -190,22 +190,22 @@ class GatedDeltaNet(nn.Module):
     def _check_input(self, hidden_states, attention_mask, cu_seqlens, cache) -> None:
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             shape = list(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
-            raise LrdslError(f"GatedDeltaNet: hidden_states must be [B, T, {self.hidden_size}], got {shape}")
+            raise InputError(f"GatedDeltaNet: hidden_states must be [B, T, {self.hidden_size}], got {shape}")
         B, T, _ = hidden_states.shape
         if attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, T):
                 shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-                raise LrdslError(f"GatedDeltaNet: attention_mask must be a 2-D padding mask [B, T] = [{B}, {T}], got {shape}")
+                raise InputError(f"GatedDeltaNet: attention_mask must be a 2-D padding mask [B, T] = [{B}, {T}], got {shape}")
             if cu_seqlens is not None:
-                raise LrdslError("GatedDeltaNet: pass either attention_mask (padding) or cu_seq_lens_q (packed sequences), not both")
+                raise InputError("GatedDeltaNet: pass either attention_mask (padding) or cu_seq_lens_q (packed sequences), not both")
         if cache is not None:
             readable = all(hasattr(cache, name) for name in ("get_conv_state", "get_recurrent_state")) or \
                 all(hasattr(cache, name) for name in ("layers", "has_previous_state"))
             if not readable or not all(hasattr(cache, name) for name in ("update_conv_state", "update_recurrent_state")):
-                raise LrdslError(f"GatedDeltaNet: cache {type(cache).__name__} lacks get_/update_conv_state and "
+                raise InputError(f"GatedDeltaNet: cache {type(cache).__name__} lacks get_/update_conv_state and "
                                  "get_/update_recurrent_state (use GatedDeltaNetCache or a transformers Cache)")
             if getattr(cache, "is_recording_past", lambda _: False)(self.layer_idx):
-                raise LrdslError("GatedDeltaNet: a cache recording past convolution inputs (for cropping) is not supported")
+                raise InputError("GatedDeltaNet: a cache recording past convolution inputs (for cropping) is not supported")
 
     def _mix(self, x: torch.Tensor, cache, cu_seqlens):
         """The layer on unpadded tokens x [B, T, hidden] (B == 1 with cu_seqlens)."""
