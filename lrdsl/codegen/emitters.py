@@ -10,6 +10,8 @@ from ..ir.chunk import (
     SAVED,
     Broadcast,
     ChunkProgram,
+    ClampBelow,
+    ClampBelowGrad,
     Cumsum,
     DecayMatrix,
     DecayedGram,
@@ -137,6 +139,19 @@ def _mask_rows(op: MaskRows, ctx: KernelContext) -> list[str]:
     # a C x K tile (a per-key-channel formula): key lanes past K (BK pads K to a power of two)
     # too; a formula of the zero-padded inputs need not be 0 there, and a gram over keys sums it
     return [f"{var(op.out)} = tl.where(m_t[:, None] & m_k[None, :], {var(op.x)}, 0.0)"]
+
+
+@CHUNK_EMITTERS.register(ClampBelow)
+def _clamp_below(op: ClampBelow, ctx: KernelContext) -> list[str]:
+    # a comparison, not tl.maximum: a NaN stays NaN (maximum may return the other operand), and
+    # -inf becomes the floor
+    x = var(op.x)
+    return [f"{var(op.out)} = tl.where({x} < {op.floor!r}, {op.floor!r}, {x})"]
+
+
+@CHUNK_EMITTERS.register(ClampBelowGrad)
+def _clamp_below_grad(op: ClampBelowGrad, ctx: KernelContext) -> list[str]:
+    return [f"{var(op.out)} = tl.where({var(op.x)} < {op.floor!r}, 0.0, {var(op.dy)})"]
 
 
 @CHUNK_EMITTERS.register(Broadcast)

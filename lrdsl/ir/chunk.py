@@ -118,6 +118,39 @@ class MaskRows(ChunkOp):
 
 
 @dataclass(frozen=True)
+class ClampBelow(ChunkOp):
+    """max(x, floor) elementwise; NaN stays NaN. The gate's log-decay is floored before its
+    cumulative sums (docs/design.md §2, "Hard resets"): a decay of exp(floor) already drops the
+    state below fp32's resolution, and a stronger one (-1e9, -inf) would make every later
+    difference G_i - G_j of the chunk's fp32 prefix sums lose all its digits."""
+
+    x: str
+    floor: float
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"max({self.x}, {self.floor:g})"
+
+
+@dataclass(frozen=True)
+class ClampBelowGrad(ChunkOp):
+    """dy where x >= floor (and where x is NaN), else 0: the adjoint of ClampBelow. Appears in
+    backward programs only (no adjoint rule)."""
+
+    x: str
+    dy: str
+    floor: float
+
+    def args(self):
+        return (self.x, self.dy)
+
+    def describe(self):
+        return f"{self.dy} where not {self.x} < {self.floor:g}, else 0"
+
+
+@dataclass(frozen=True)
 class Broadcast(ChunkOp):
     """x repeated to this op's shape: a scalar everywhere; a vector along the axis it shares with
     the tile, the first axis first: a C-vector over C x _ (x_i in every column of row i), a

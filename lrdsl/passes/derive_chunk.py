@@ -29,6 +29,7 @@ import sympy
 
 from ..ir.chunk import (
     Broadcast,
+    ClampBelow,
     ChunkOp,
     ChunkProgram,
     Cumsum,
@@ -50,6 +51,13 @@ from ..ir.formula import HEAD_INDEX
 from ..ir.recurrence import GateKind, InputRole, Recurrence
 
 LOG2E = 1 / sympy.log(2)
+# Every token's log-decay is floored here before the chunk's cumulative sums (docs/design.md §2,
+# "Hard resets"). exp(-30) = 9.4e-14: a token at the floor keeps less than fp32's resolution
+# (6e-8) of the state before it, as a stronger decay would; and C tokens at the floor give the
+# prefix sums the magnitudes a gate of -30 per token always gave (the gate extremes every spec is
+# tested at). A log-decay of -1e9 or -inf would leave every later G_i - G_j of the chunk without a
+# digit (-inf - -inf is NaN).
+LOG_DECAY_FLOOR = -30.0
 
 INPUT_SHAPES: dict[InputRole, Shape] = {
     InputRole.TOKEN: ("C",),
@@ -190,6 +198,7 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
         if not per_row:  # a constant gate: the same decay on every row
             g = b.add(Broadcast(b.fresh("g_rows"), ("C",), str(g)))
         g = b.add(MaskRows(b.fresh("g_masked"), gate_shape, str(g)))  # rows past the end decay nothing
+        g = b.add(ClampBelow(b.fresh("g_floored"), gate_shape, str(g), LOG_DECAY_FLOOR))  # hard resets
         G = b.formula("G", b.add(Cumsum(b.fresh("g_cumsum"), gate_shape, str(g))) * LOG2E, gate_shape)
         G_last = b.add(LastRow(b.fresh("G_last"), gate_shape[1:], str(G)))
         gamma = b.formula("gamma", 2**G, gate_shape)

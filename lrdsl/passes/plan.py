@@ -28,11 +28,11 @@ The plans differ in rule 3's grouping:
 """
 from __future__ import annotations
 
-from ..ir.chunk import Broadcast, ChunkProgram, Formula, Load, MaskRows, Normalize, UnitLowerInverse
+from ..ir.chunk import Broadcast, ChunkProgram, ClampBelow, Formula, Load, MaskRows, Normalize, UnitLowerInverse
 from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
 
 FP32_BUFFER_SHAPES = (("C", "C"), ("C",), (), ("K",))
-ROW_LOCAL_OPS = (Normalize, Formula, MaskRows, Broadcast)  # row i of the result reads only row i (or scalars)
+ROW_LOCAL_OPS = (Normalize, Formula, MaskRows, ClampBelow, Broadcast)  # row i of the result reads only row i (or scalars)
 
 PLAN_SUMMARIES = {
     "fused": "all prepare work in one kernel",
@@ -105,7 +105,7 @@ class _Planner:
     def chunk_size_free(self) -> set[str]:
         """Values whose rows do not depend on the chunk size: those the chunk program names, and
         row by row functions of them and of the call's inputs (a load, a row norm, an elementwise
-        formula, a row mask, a broadcast); a sum over the chunk's rows, its last row or a product
+        formula, a row mask, a floor, a broadcast); a sum over the chunk's rows, its last row or a product
         with another row's values depends on where the chunk starts."""
         free = set(self.prog.chunk_size_free)
         for op in self.prog.ops:
