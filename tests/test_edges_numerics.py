@@ -6,6 +6,12 @@ G_i - G_j of the chunk without a digit (-inf - -inf is NaN) while `recurrent` st
 chunk programs now floor each token's log-decay (docs/design.md §2, "Hard resets"); every spec
 kind (scalar, key-channel, dplr, a gate formula) is compared with the float64 oracle here at
 single tokens, runs of tokens and 30 % of the tokens at -1e4 .. -inf, forward and gradients.
+
+Non-finite inputs. A NaN or inf at token t reaches, in the recurrence, the outputs from t on and
+the state (q's only its own output row). The chunk kernels multiplied a masked-out 0 by it inside
+their products (0 * NaN = NaN), so one bad value made every output row of its chunk NaN: padding
+garbage at the end of a dense batch erased the real tokens before it. The output rows and final
+states that are not finite must now be exactly the oracle's, and the others must match it.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import torch
 from lrdsl.workloads import TOLERANCE, Shape, make_inputs
 
 from helpers import module, recurrence
-from oracle_checks import Call, assert_errors, oracle_errors
+from oracle_checks import Call, assert_errors, causality_errors, oracle_errors
 
 LIMIT = TOLERANCE[torch.float32]
 RESET_SPECS = ("gdn", "kda", "simple_gla", "rwkv7", "gdn_qwen35")
@@ -91,3 +97,76 @@ def test_gpu_hard_resets(name, pattern, g, dtype, generator):
     print(f"{name} {pattern}@{g:g} {dtype}: " + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
     asserted = ("o", "ht", "d_q", "d_k", "d_v", "d_h0") if dtype == torch.bfloat16 else tuple(errors)
     assert_errors({k: errors[k] for k in asserted}, TOLERANCE[dtype], f"{name} {dtype} log-decay {g:g} at {pattern}")
+
+
+# -- non-finite inputs ---------------------------------------------------------------------------
+
+NONFINITE_SPECS = ("gdn", "kda", "simple_gla", "rwkv7", "gdn_qwen35", "deltanet", "linear_attn")
+# (input, value): q, k, v by name; "gate", "beta": the spec's per-token input the formula reads
+NONFINITE = [("v", math.nan), ("v", math.inf), ("k", math.nan), ("k", -math.inf), ("q", math.nan),
+             ("gate", math.nan), ("beta", math.nan)]
+NONFINITE_SHAPE = Shape(2, 56, 1, 1, 16, 40)  # V = 40: three value blocks of 16 in the kernels' V loops
+
+
+def _per_token_input(rec, formula):
+    """The per-token input `formula` reads (the gate's or beta's), or None."""
+    if formula is None:
+        return None
+    inputs = [i.name for i in rec.formula_inputs(formula) if i.role.per_token]
+    return inputs[0] if inputs else None
+
+
+def with_nonfinite(rec, tensors, which, value, token, generator):
+    """`tensors` with one entry of `which` at `token` of the first batch row set to `value` (a
+    random head and, where the tensor has one, a random channel)."""
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    name = {"gate": _per_token_input(rec, rec.log_decay), "beta": _per_token_input(rec, rec.beta)}.get(which, which)
+    if name is None:
+        pytest.skip(f"{rec.name} has no per-token {which} input")
+    x = tensors[names.index(name)].clone()
+    index = (0, token) + tuple(int(torch.randint(0, n, (1,), generator=generator)) for n in x.shape[2:])
+    x[index] = value
+    tensors = list(tensors)
+    tensors[names.index(name)] = x
+    return tensors
+
+
+@pytest.mark.parametrize("which, value", NONFINITE, ids=[f"{w}={v}" for w, v in NONFINITE])
+@pytest.mark.parametrize("name", NONFINITE_SPECS)
+def test_a_nonfinite_input_reaches_only_later_rows(name, which, value, generator):
+    """One bad entry at token 50 of the first sequence (the fourth chunk of 16, the only one of
+    64), the initial state given, against the oracle: the recurrent kernel and the chunk kernels
+    at chunk sizes 16 and 64 (gdn: in every plan)."""
+    rec, mod = recurrence(name), module(name)
+    tensors = make_inputs(rec, NONFINITE_SHAPE, generator=generator)
+    tensors = with_nonfinite(rec, tensors, which, value, 50, generator)
+    h0 = torch.randn(2, NONFINITE_SHAPE.HV, NONFINITE_SHAPE.K, NONFINITE_SHAPE.V, generator=generator)
+    call = Call(NONFINITE_SHAPE)
+    assert_errors(causality_errors(rec, mod, call, tensors, "recurrent", h0=h0), LIMIT, f"{name} recurrent")
+    largest = mod.largest_chunk_size(NONFINITE_SHAPE.K, dtype=torch.float32)
+    for plan in mod.CHUNK_PLANS if name == "gdn" else mod.CHUNK_PLANS[:1]:
+        for size in (s for s in (16, 64) if s <= largest):
+            errors = causality_errors(rec, mod, call, tensors, "chunk", h0=h0, plan=plan, chunk_size=size)
+            assert_errors(errors, LIMIT, f"{name} chunk[{plan}, {size}] with {which} = {value} at token 50")
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_right_padded_garbage_leaves_the_real_tokens_exact(name, generator):
+    """A dense batch whose shorter sequences are right-padded with garbage (NaN, inf) in every
+    input: the rows before the padding and the other sequences match the oracle, the padding's
+    rows and those sequences' final states are NaN, as in the recurrence."""
+    rec, mod = recurrence(name), module(name)
+    shape = Shape(3, 45, 1, 2, 16, 16)
+    tensors = make_inputs(rec, shape, generator=generator)
+    lengths = (45, 12, 33)
+    for index, tensor in enumerate(tensors):
+        if tensor.dim() >= 3 and tensor.shape[1] == shape.T:  # per-token tensors
+            for b, length in enumerate(lengths):
+                garbage = torch.full_like(tensor[b, length:], math.nan if index % 2 else math.inf)
+                tensor[b, length:] = garbage
+    errors = causality_errors(rec, mod, Call(shape), tensors, "chunk")
+    assert_errors(errors, LIMIT, f"{name} right-padded batch")
+    with torch.no_grad():
+        o, _ = mod.chunk(*tensors)
+    for b, length in enumerate(lengths):
+        assert torch.isfinite(o[b, :length]).all(), f"{name}: sequence {b}'s real rows are not finite"

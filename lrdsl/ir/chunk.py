@@ -118,6 +118,25 @@ class MaskRows(ChunkOp):
 
 
 @dataclass(frozen=True)
+class FiniteRows(ChunkOp):
+    """x with its non-finite entries set to 0 (a log-decay keeps -inf, a hard reset): a per-token
+    value of the recurrence, computed from the call's inputs. In the forward kernels a row that
+    held one also poisons the results: every output row and stored row from it on, and the exit
+    state, become NaN (docs/design.md §2, "Non-finite inputs"), so a NaN at token t reaches only
+    what the recurrence reaches from t on, never the rows before it through a masked product
+    (0 * NaN). The backward copies x (a non-finite input's gradients are NaN, as the oracle's)."""
+
+    x: str
+    log_decay: bool = False  # -inf is a value, not a fault
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"finite_rows({self.x}{', -inf kept' if self.log_decay else ''})"
+
+
+@dataclass(frozen=True)
 class ClampBelow(ChunkOp):
     """max(x, floor) elementwise; NaN stays NaN. The gate's log-decay is floored before its
     cumulative sums (docs/design.md §2, "Hard resets"): a decay of exp(floor) already drops the

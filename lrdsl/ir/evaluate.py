@@ -29,6 +29,7 @@ from .chunk import (
     DecayedGram,
     DecayedMatMul,
     Diagonal,
+    FiniteRows,
     Formula,
     LastRow,
     Load,
@@ -81,6 +82,13 @@ def _t_broadcast(op: Broadcast, env, ctx):
 def _t_mask_rows(op: MaskRows, env, ctx):
     rows = (torch.arange(ctx.sizes["C"]) < ctx.valid_rows).view(-1, *([1] * (len(op.shape) - 1)))
     return torch.where(rows, env[op.x], torch.zeros((), dtype=torch.float64))
+
+
+def _t_finite_rows(op: FiniteRows, env, ctx):
+    # the values only: the poisoning of later rows is the kernels' (docs/design.md §2)
+    x = env[op.x]
+    ok = ~torch.isnan(x) & (x < math.inf) if op.log_decay else torch.isfinite(x)
+    return torch.where(ok, x, 0.0)
 
 
 def _t_normalize(op: Normalize, env, ctx):
@@ -157,6 +165,7 @@ TORCH_RULES = {
     Formula: _t_formula,
     MaskRows: _t_mask_rows,
     ClampBelow: lambda op, env, ctx: torch.where(env[op.x] < op.floor, op.floor, env[op.x]),
+    FiniteRows: _t_finite_rows,
     ClampBelowGrad: lambda op, env, ctx: torch.where(env[op.x] < op.floor, 0.0, env[op.dy]),
     Broadcast: _t_broadcast,
     Cumsum: _t_cumsum,
@@ -346,6 +355,7 @@ SYMPY_RULES = {
     MaskRows: _s_mask_rows,
     # the proofs' symbols stand for log-decays above the floor, where the clamp is the identity
     ClampBelow: lambda op, env, ctx: env[op.x],
+    FiniteRows: lambda op, env, ctx: env[op.x],
     ClampBelowGrad: lambda op, env, ctx: env[op.dy],
     Broadcast: _s_broadcast,
     Cumsum: _s_cumsum,

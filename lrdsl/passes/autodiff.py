@@ -39,6 +39,7 @@ from ..ir.chunk import (
     DecayedGram,
     DecayedMatMul,
     Diagonal,
+    FiniteRows,
     Formula,
     LastRow,
     Load,
@@ -128,6 +129,11 @@ def _broadcast(op: Broadcast, dy: str, sweep: Sweep):
 @adjoint(MaskRows)
 def _mask_rows(op: MaskRows, dy: str, sweep: Sweep):
     yield op.x, str(sweep.b.add(MaskRows(sweep.name(op.x, op), op.shape, dy)))
+
+
+@adjoint(FiniteRows)
+def _finite_rows(op: FiniteRows, dy: str, sweep: Sweep):
+    yield op.x, dy  # where x is finite, the identity; where not, the gradients are NaN anyway
 
 
 @adjoint(ClampBelow)

@@ -18,6 +18,7 @@ from ..ir.chunk import (
     DecayedGram,
     DecayedMatMul,
     Diagonal,
+    FiniteRows,
     Formula as ChunkFormula,
     LastRow,
     Load,
@@ -151,7 +152,7 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
         return _INPUT_SHAPES[rec.input(op.source).role.value]
     if isinstance(op, StateIn):
         return ("K", "V")
-    if isinstance(op, (Normalize, MaskRows, ClampBelow, ClampBelowGrad, Cumsum, Mask)):
+    if isinstance(op, (Normalize, MaskRows, FiniteRows, ClampBelow, ClampBelowGrad, Cumsum, Mask)):
         return shapes[op.x]
     if isinstance(op, LastRow):
         return shapes[op.x][1:]
