@@ -150,6 +150,23 @@ def test_a_nonfinite_input_reaches_only_later_rows(name, which, value, generator
             assert_errors(errors, LIMIT, f"{name} chunk[{plan}, {size}] with {which} = {value} at token 50")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("which, value", NONFINITE, ids=[f"{w}={v}" for w, v in NONFINITE])
+@pytest.mark.parametrize("name", NONFINITE_SPECS)
+def test_gpu_nonfinite_inputs(name, which, value, dtype, generator):
+    """The same on a GPU, in bf16 and fp32, at K = 128 and V = 128, token 150 of 300, every plan."""
+    rec, mod = recurrence(name), module(name)
+    shape = Shape(2, 300, 2, 4, 128, 128)
+    tensors = make_inputs(rec, shape, dtype=dtype, generator=generator)
+    tensors = with_nonfinite(rec, tensors, which, value, 150, generator)
+    h0 = torch.randn(2, shape.HV, shape.K, shape.V, generator=generator)
+    for plan in mod.CHUNK_PLANS:
+        errors = causality_errors(rec, mod, Call(shape, l2norm=True), tensors, "chunk", device="cuda", h0=h0, plan=plan)
+        print(f"{name} {which}={value} {dtype} {plan}: " + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
+        assert_errors(errors, TOLERANCE[dtype], f"{name} chunk[{plan}] {dtype} with {which} = {value} at token 150")
+
+
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 def test_right_padded_garbage_leaves_the_real_tokens_exact(name, generator):
     """A dense batch whose shorter sequences are right-padded with garbage (NaN, inf) in every
