@@ -18,8 +18,9 @@ Everything a kernel computes from the guarded tiles is finite, and its rows befo
 marked one are what they would be without the bad token: the chunk form is causal in its rows
 (the exit state and the suffix decays are not, and the state is poisoned). C x C buffers (the
 solved systems) are neither guarded nor poisoned: built from guarded tiles they are finite, and
-the kernels that read them read the chunk's per-row tiles too. The backward kernels guard nothing:
-a non-finite input's gradients are NaN, as the oracle's are.
+the kernels that read them read the chunk's per-row tiles too. The backward kernels guard nothing
+yet: a non-finite input's gradients come out NaN on every row, where the oracle's are NaN from
+its token on (docs/design.md §2).
 """
 from __future__ import annotations
 

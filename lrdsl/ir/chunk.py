@@ -124,7 +124,7 @@ class FiniteRows(ChunkOp):
     held one also poisons the results: every output row and stored row from it on, and the exit
     state, become NaN (docs/design.md §2, "Non-finite inputs"), so a NaN at token t reaches only
     what the recurrence reaches from t on, never the rows before it through a masked product
-    (0 * NaN). The backward copies x (a non-finite input's gradients are NaN, as the oracle's)."""
+    (0 * NaN). The backward copies x: its kernels guard nothing (docs/design.md §2)."""
 
     x: str
     log_decay: bool = False  # -inf is a value, not a fault

@@ -133,7 +133,7 @@ def _mask_rows(op: MaskRows, dy: str, sweep: Sweep):
 
 @adjoint(FiniteRows)
 def _finite_rows(op: FiniteRows, dy: str, sweep: Sweep):
-    yield op.x, dy  # where x is finite, the identity; where not, the gradients are NaN anyway
+    yield op.x, dy  # the identity where x is finite; the backward guards no non-finite rows
 
 
 @adjoint(ClampBelow)
