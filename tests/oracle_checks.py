@@ -78,3 +78,36 @@ def oracle_errors(rec, mod, call: Call, generator, kernel="chunk", gradients=Tru
 def assert_errors(errors: dict, limit: float, what: str) -> None:
     bad = {name: error for name, error in errors.items() if not error <= limit}
     assert not bad, f"{what}: errors above {limit:.0e}: {bad} (all: {errors})"
+
+
+def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Whether any entry along the last axis is NaN or inf (per output row of one token and value
+    head; a state's K x V tile is asked per key row, then summed with .any(-1))."""
+    return ~torch.isfinite(x).all(dim=-1)
+
+
+def causality_errors(rec, mod, call: Call, tensors, kernel="chunk", device="cpu", h0=None, **options) -> dict:
+    """A call whose inputs hold NaN or inf, against the oracle, without gradients: the output rows
+    (token, value head) and final states (sequence, value head) that are not finite must be
+    exactly the oracle's, and the finite ones must match it. Returns "o" and "ht" (relative errors
+    over the finite rows and states) and "rows"/"states", the number of rows and states whose
+    finiteness differs from the oracle's (so that assert_errors' limit, < 1, requires 0).
+    `h0`: the initial state (call.h0 is not read)."""
+    cu = torch.tensor(call.bounds, dtype=torch.int32) if call.bounds else None
+    kwargs = dict(scale=call.scale, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=call.l2norm)
+    device_kwargs = dict(kwargs, cu_seqlens=cu.to(device) if cu is not None else None)
+    with torch.no_grad():
+        o, ht = getattr(mod, kernel)(*[t.to(device) for t in tensors], initial_state=None if h0 is None else h0.to(device),
+                                     **device_kwargs, **options)
+        ref_o, ref_ht = reference.run(rec, *[t.double() for t in tensors], initial_state=None if h0 is None else h0.double(),
+                                      **kwargs)
+    o, ht = o.cpu().double(), ht.cpu().double()
+    bad_rows, ref_bad_rows = nonfinite_rows(o), nonfinite_rows(ref_o)
+    bad_states, ref_bad_states = nonfinite_rows(ht).any(-1), nonfinite_rows(ref_ht).any(-1)
+    rows, states = ~ref_bad_rows & ~bad_rows, ~ref_bad_states & ~bad_states
+    return {
+        "rows": float((bad_rows != ref_bad_rows).sum()),
+        "states": float((bad_states != ref_bad_states).sum()),
+        "o": relative_error(o[rows], ref_o[rows]),
+        "ht": relative_error(ht[states], ref_ht[states]),
+    }

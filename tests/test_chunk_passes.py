@@ -34,8 +34,8 @@ def test_dplr_update_solves_for_its_two_vector_sets():
     prog = program("rwkv7")
     grams = {op.out: op for op in prog.ops if isinstance(op, DecayedGram)}
     assert {(g.a, g.b, g.x, g.column_decay, g.inclusive) for g in grams.values()} == {
-        ("a_masked", "b_masked", "G_excl", "G", False), ("a_masked", "k", "G_excl", "G", False),
-        ("q", "k", "G", "G", True), ("q", "b_masked", "G", "G", True)}
+        ("a_finite", "b_finite", "G_excl", "G", False), ("a_finite", "k", "G_excl", "G", False),
+        ("q", "k", "G", "G", True), ("q", "b_finite", "G", "G", True)}
     assert sum(isinstance(op, UnitLowerInverse) for op in prog.ops) == 1
     assert prog.shape("U") == ("C", "V") and prog.shape("W") == ("C", "K")
 

@@ -8,7 +8,11 @@ powers of negative values up to x**7 and x**(-5), integral float exponents, frac
 bases that cannot be negative, negative constants and constant bases, the head index in constant
 gates). Each is checked against the float64 oracle on tiny shapes: the recurrent kernel, the chunk
 forward in every plan and chunk size, and gradients (one kernel, plan, chunk size and save policy
-per example).
+per example). Edges of the contract are drawn too: a gated spec may carry a reset term, - r**2
+for a per-token input r, which the data set to 100, 3.2e4 or inf at one token, a run of tokens or
+30 % of them (hard resets: log-decays of -1e4, -1e9, -inf); or one entry of q, k, v or a
+per-token input is NaN (q, k, v: also +-inf) at a random token, and the kernels' outputs and
+final states must be non-finite exactly where the oracle's are, and match it elsewhere.
 
 Invalid specs: a valid one with one thing broken; the error must be one line naming the file, the
 line (where the key is in the file) and the key.
@@ -19,6 +23,7 @@ drawn afresh, e.g. `LRDSL_FUZZ_EXAMPLES=500 pytest tests/test_fuzz_specs.py`.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -38,7 +43,7 @@ from lrdsl.reference import evaluate_formula
 from lrdsl.spec import load_spec
 from lrdsl.workloads import TOLERANCE, Shape, make_inputs
 
-from oracle_checks import Call, assert_errors, oracle_errors
+from oracle_checks import Call, assert_errors, causality_errors, oracle_errors
 from test_hygiene import generated_names
 
 LIMIT = TOLERANCE[torch.float32]
@@ -112,6 +117,9 @@ PLAIN_BETA_WRAPPERS = ["{}", "sigmoid({})"]
 LOW_RANK_WRAPPERS = ["(0.1 * tanh({}))", "(0.1 * sigmoid({}))", "(-0.1 * sigmoid({}))"]
 
 
+RESET_INPUT = "hard_reset"  # read only by the reset term: driving it changes nothing else
+
+
 @dataclass(frozen=True)
 class FuzzSpec:
     update: str
@@ -120,6 +128,7 @@ class FuzzSpec:
     log_decay: str | None
     beta: str | None
     low_rank: tuple[str, str] | None = None  # dplr: (low_rank_read, low_rank_write)
+    reset: str | None = None  # the per-token input r of a reset term - r**2 in the log-decay
 
     def document(self) -> dict:
         pairs = (("log_decay", self.log_decay), ("beta", self.beta)) + tuple(zip(("low_rank_read", "low_rank_write"),
@@ -185,7 +194,13 @@ def valid_specs(draw) -> FuzzSpec:
     for text in low_rank or ():
         assume(_reads(text, names) & per_key)
     inputs = tuple((n, roles[n]) for n in names if n in used)
-    return FuzzSpec(update, gate, inputs, log_decay, beta, low_rank)
+    reset = None
+    if gate in ("scalar", "key_channel") and draw(st.booleans()):  # a reset term the data may drive
+        reset = RESET_INPUT
+        roles = ["token"] if gate == "scalar" else ["token", "token_key"]
+        inputs += ((reset, draw(st.sampled_from(roles))),)
+        log_decay = f"{log_decay} - {reset}**2"
+    return FuzzSpec(update, gate, inputs, log_decay, beta, low_rank, reset)
 
 
 def _reads(text: str, names) -> set[str]:
@@ -237,6 +252,65 @@ def cases(draw) -> Case:
     return Case(call, draw(st.sampled_from(["chunk", "recurrent"])), draw(st.sampled_from(["split", "fused"])),
                 draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from(["recompute", "save_solve", "save_prepare", "save", "save_states"])),
                 draw(st.integers(0, 2**31 - 1)))
+
+
+@dataclass(frozen=True)
+class Edge:
+    """What the data hold beyond ordinary inputs: nothing, hard resets (the reset input at `value`
+    on the tokens of `pattern`), or one non-finite entry (`value` in input number `which`, taken
+    modulo the per-token inputs, at the token a fraction `where` into the batch's tokens)."""
+
+    kind: str  # "none", "reset", "nonfinite"
+    value: float = 0.0
+    pattern: str = "one"
+    which: int = 0
+    where: float = 0.0
+
+
+RESET_VALUES = [100.0, 3.2e4, math.inf]  # log-decays -1e4, -1e9 (in fp32 too), -inf
+
+
+@st.composite
+def edges(draw) -> Edge:
+    kind = draw(st.sampled_from(["none", "none", "reset", "nonfinite"]))
+    if kind == "reset":
+        return Edge(kind, draw(st.sampled_from(RESET_VALUES)), draw(st.sampled_from(["one", "run", "30%"])))
+    if kind == "nonfinite":
+        return Edge(kind, draw(st.sampled_from([math.nan, math.inf, -math.inf])), which=draw(st.integers(0, 7)),
+                    where=draw(st.floats(0, 1, exclude_max=True)))
+    return Edge(kind)
+
+
+def reset_tokens(pattern: str, T: int, generator) -> torch.Tensor:
+    t = int(torch.randint(0, T, (1,), generator=generator))
+    if pattern == "one":
+        return torch.arange(T) == t
+    if pattern == "run":
+        return (torch.arange(T) >= t) & (torch.arange(T) < t + 5)
+    return torch.rand(T, generator=generator) < 0.3
+
+
+def with_edge(rec, spec: FuzzSpec, tensors, edge: Edge, generator) -> list:
+    """`tensors` with `edge` applied (a reset edge on a spec without a reset term: unchanged)."""
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    tensors = list(tensors)
+    if edge.kind == "reset" and spec.reset is not None:
+        index = names.index(spec.reset)
+        x = tensors[index]
+        where = reset_tokens(edge.pattern, x.shape[1], generator).view(1, -1, *([1] * (x.dim() - 2)))
+        tensors[index] = torch.where(where, torch.full_like(x, edge.value), x)
+    if edge.kind == "nonfinite":
+        candidates = ["q", "k", "v"] + [i.name for i in rec.inputs if i.role.per_token]
+        name = candidates[edge.which % len(candidates)]
+        # a formula may map an inf to a finite value (sigmoid(inf) = 1): the inputs of formulas get NaN
+        value = edge.value if name in ("q", "k", "v") else math.nan
+        x = tensors[names.index(name)].clone()
+        token = int(edge.where * x.shape[0] * x.shape[1])
+        index = (token // x.shape[1], token % x.shape[1]) + tuple(int(torch.randint(0, n, (1,), generator=generator))
+                                                                 for n in x.shape[2:])
+        x[index] = value
+        tensors[names.index(name)] = x
+    return tensors
 
 
 LOW_RANK_GROWTH = 100.0
@@ -301,8 +375,8 @@ def valid_recurrence(path):
 
 
 @fuzz_settings(VALID_EXAMPLES)
-@given(spec=valid_specs(), case=cases())
-def test_valid_specs_match_the_oracle(spec, case, tmp_path, generator, device):
+@given(spec=valid_specs(), case=cases(), edge=edges())
+def test_valid_specs_match_the_oracle(spec, case, edge, tmp_path, generator, device):
     text = toml_text(spec.document())
     note(text)
     path = tmp_path / "fuzz.toml"
@@ -313,11 +387,19 @@ def test_valid_specs_match_the_oracle(spec, case, tmp_path, generator, device):
     call = case.call
     tensors = make_inputs(rec, call.shape, generator=data)
     assume(in_range(rec, tensors, call.shape.HV))
+    note(f"edge: {edge}")
+    tensors = with_edge(rec, spec, tensors, edge, data)
     mod = lrdsl.load(path)
 
     def errors(kernel, gradients, **options):
-        return oracle_errors(rec, mod, call, data, kernel, gradients=gradients, tensors=tensors, device=device,
-                             **options)
+        if edge.kind == "nonfinite":  # forward only: causality of the non-finite value
+            h0 = torch.randn(call.N, call.shape.HV, call.shape.K, call.shape.V, generator=data) if call.h0 else None
+            return causality_errors(rec, mod, call, tensors, kernel, device=device, h0=h0, **options)
+        found = oracle_errors(rec, mod, call, data, kernel, gradients=gradients, tensors=tensors, device=device,
+                              **options)
+        if edge.kind == "reset" and edge.value == math.inf:  # d(r**2)/dr = inf times the oracle's 0 and the kernels'
+            found.pop(f"d_{RESET_INPUT}", None)
+        return found
 
     assert_errors(errors("recurrent", False), LIMIT, "recurrent")
     # every chunk size the module accepts here (a dplr module's kernels fit shared memory up to 32)
@@ -325,6 +407,8 @@ def test_valid_specs_match_the_oracle(spec, case, tmp_path, generator, device):
     for plan in mod.CHUNK_PLANS:
         for size in (s for s in mod.CHUNK_SIZES if s <= largest):
             assert_errors(errors("chunk", False, plan=plan, chunk_size=size), LIMIT, f"chunk[{plan},{size}]")
+    if edge.kind == "nonfinite":
+        return  # the backward does not keep a non-finite input's gradients causal (docs/design.md §2)
     options = dict(plan=case.plan, chunk_size=min(case.chunk_size, largest), save_policy=case.save_policy)
     if case.gradient_kernel == "recurrent":
         options = {}

@@ -121,7 +121,8 @@ def test_tiles_held_in_their_stored_dtype_are_converted_where_read(name):
     them); every read converts it (to DOT_DTYPE in a matmul, to ACC in a formula: exact, so the
     results are bit for bit those of converting at the load), or copies it under a new name that
     obeys the same rule, or is converted in place once (`b_k_in = b_k_in.to(ACC)`, an input
-    loaded ahead of a V loop)."""
+    loaded ahead of a V loop). The forward's guards of non-finite rows test and zero such a tile
+    in its own dtype."""
     source = _generate(name)
     held = 0
     for kernel in [k for k in re.findall(r"def (\w+_kernel)\(", source) if "_chunk_" in k]:
@@ -134,7 +135,9 @@ def test_tiles_held_in_their_stored_dtype_are_converted_where_read(name):
                 code = line.split("#")[0]
                 if re.match(rf"\s*{tile} = {tile}\.to\((ACC|DOT_DTYPE)\)$", code):
                     break  # converted in place (an input loaded ahead of a V loop): read converted below
-                if re.match(rf"\s*{tile} = ", code):  # its load, or the copy that defines it
+                if re.match(rf"\s*{tile} = ", code):  # its load, the copy that defines it, its guard
+                    continue
+                if re.match(r"\s*ok_\w+ = ", code):  # a finiteness test (row_guards): any dtype reads
                     continue
                 copy = re.match(rf"\s*(b_\w+) = {tile}$", code)
                 if copy:

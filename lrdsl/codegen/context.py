@@ -22,6 +22,7 @@ from ..ir.chunk import (
 )
 from ..ir.plan import Kernel, Plan
 from .names import gradient_pointer
+from .row_guards import find_guarded, guard_lines, poisoned
 from .schedule import reader_index, readers
 
 
@@ -73,6 +74,11 @@ class KernelContext:
     @cached_property
     def reader_index(self) -> dict[str, list[str]]:
         return reader_index(self)
+
+    @cached_property
+    def guarded(self) -> dict[str, str]:
+        """The values whose non-finite rows this kernel guards, and the flag each sets (row_guards)."""
+        return find_guarded(self)
 
     def assign(self, value: str) -> str:
         return f"{var(value)} {'+=' if value in self.accumulators else '='} "
@@ -293,6 +299,8 @@ def emit_buffer_load(value: str, ctx: KernelContext) -> list[str]:
     offsets, mask = buffer_address(ctx.shape(value), ctx.kernel.kind, made_elsewhere=made_elsewhere)
     line = load_line(var(value), buffer_param(value), offsets, mask, ctx.load_dtype(value))
     lines = [f"# {value}: stored by an earlier kernel", line]
+    if value in ctx.guarded:
+        lines += guard_lines(ctx, value, var(value), var(value), "not_nan")
     if value in ctx.narrowed_copies:
         copy = narrowed_param(value)
         lines += [f"# the copy of {value} the backward keeps, in the matmul operand dtype (None: not kept narrowed)",
@@ -308,4 +316,5 @@ def emit_buffer_store(value: str, ctx: KernelContext) -> list[str]:
         return ["if i_t % STATE_EVERY == 0:",
                 "    " + store_line(buffer_param(value), offsets, "m_k[:, None] & m_v[None, :]", var(value))]
     offsets, mask = buffer_address(ctx.shape(value), ctx.kernel.kind)
-    return [store_line(buffer_param(value), offsets, mask, var(value))]
+    rows, tile = poisoned(ctx, value, var(value))
+    return rows + [store_line(buffer_param(value), offsets, mask, tile)]

@@ -10,11 +10,14 @@ from ..ir.chunk import (
     SAVED,
     Broadcast,
     ChunkProgram,
+    ClampBelow,
+    ClampBelowGrad,
     Cumsum,
     DecayMatrix,
     DecayedGram,
     DecayedMatMul,
     Diagonal,
+    FiniteRows,
     Formula,
     LastRow,
     Load,
@@ -47,6 +50,7 @@ from .context import (
 )
 from .names import input_pointer
 from .printer import to_triton
+from .row_guards import guard_lines
 from .schedule import inclusive_sibling, normalized_here
 from .templating import render
 
@@ -86,8 +90,12 @@ def _load(op: Load, ctx: KernelContext) -> list[str]:
         return [f"{target} = i_hv.to(ACC)  # the value-head index h"]
     pointer, offsets, mask, dtype = input_load(op, ctx)
     if op.out in ctx.issued_early:  # loaded before the previous V loop, in the dtype it is stored in
-        return [f"{target} = {target}.to({dtype})"] if dtype else []
-    return [load_line(target, pointer, offsets, mask, dtype)]
+        lines = [f"{target} = {target}.to({dtype})"] if dtype else []
+    else:
+        lines = [load_line(target, pointer, offsets, mask, dtype)]
+    if op.out in ctx.guarded:  # rows past the sequence end load as 0: no mask on the marks
+        lines += guard_lines(ctx, op.out, target, target, "finite")
+    return lines
 
 
 @CHUNK_EMITTERS.register(StateIn)
@@ -137,6 +145,29 @@ def _mask_rows(op: MaskRows, ctx: KernelContext) -> list[str]:
     # a C x K tile (a per-key-channel formula): key lanes past K (BK pads K to a power of two)
     # too; a formula of the zero-padded inputs need not be 0 there, and a gram over keys sums it
     return [f"{var(op.out)} = tl.where(m_t[:, None] & m_k[None, :], {var(op.x)}, 0.0)"]
+
+
+@CHUNK_EMITTERS.register(FiniteRows)
+def _finite_rows(op: FiniteRows, ctx: KernelContext) -> list[str]:
+    x = var(op.x)
+    if op.out not in ctx.guarded:  # a backward kernel: the value as it is
+        return [f"{var(op.out)} = {x}"]
+    # a formula of padded inputs need not be finite past the sequence end (or past K)
+    in_sequence = "m_t" if op.shape == ("C",) else "m_t[:, None] & m_k[None, :]"
+    return guard_lines(ctx, op.out, var(op.out), x, "log_decay" if op.log_decay else "finite", in_sequence)
+
+
+@CHUNK_EMITTERS.register(ClampBelow)
+def _clamp_below(op: ClampBelow, ctx: KernelContext) -> list[str]:
+    # a comparison, not tl.maximum: a NaN stays NaN (maximum may return the other operand), and
+    # -inf becomes the floor
+    x = var(op.x)
+    return [f"{var(op.out)} = tl.where({x} < {op.floor!r}, {op.floor!r}, {x})"]
+
+
+@CHUNK_EMITTERS.register(ClampBelowGrad)
+def _clamp_below_grad(op: ClampBelowGrad, ctx: KernelContext) -> list[str]:
+    return [f"{var(op.out)} = tl.where({var(op.x)} < {op.floor!r}, 0.0, {var(op.dy)})"]
 
 
 @CHUNK_EMITTERS.register(Broadcast)

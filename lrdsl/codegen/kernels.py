@@ -38,6 +38,7 @@ from .context import (
 )
 from .emitters import CHUNK_EMITTERS, input_load
 from .names import input_pointer
+from .row_guards import init_lines, poisoned, state_poison_lines
 from .schedule import (
     eager_sums,
     first_reader_segment,
@@ -99,6 +100,8 @@ def _op_lines(ctx: KernelContext, value: str) -> list[str]:
     if value in ctx.eager:
         total, starts = ctx.eager[value]
         lines.append(f"{var(total)} {'=' if starts else '+='} {var(value)}  # running sum {total}")
+    if ctx.kernel.kind == "scan" and value == ctx.prog.output("state"):
+        lines.extend(state_poison_lines(ctx, var(value)))
     writes = []
     if ctx.stored_here(value) and not isinstance(op, UnitLowerInverse):  # a solve stores its own result
         writes.extend(emit_buffer_store(value, ctx))
@@ -153,7 +156,9 @@ def emit_result_store(role: str, value: str, ctx: KernelContext) -> list[str]:
     else:
         width = {("C", "K"): "K", ("C", "V"): "V", ("C",): ""}[shape]
         offsets, mask = tile_address(shape, "HV", "i_hv", width, ctx.kernel.kind)
-    return guarded_store(result_param(role), offsets, mask, var(value))
+    rows, tile = poisoned(ctx, value, var(value))
+    store = guarded_store(result_param(role), offsets, mask, tile)
+    return store[:1] + ["    " + line for line in rows] + store[1:]
 
 
 def guarded_store(pointer: str, offsets: str, mask: str, value: str) -> list[str]:
@@ -166,7 +171,7 @@ def guarded_store(pointer: str, offsets: str, mask: str, value: str) -> list[str
 def emit_scan_body(ctx: KernelContext) -> list[str]:
     """The scan's per-chunk body: every op in program order (its V block is the program's own)."""
     ctx.eager = eager_sums(ctx, None)
-    lines = []
+    lines = init_lines(ctx)
     for value in ctx.kernel.loads:
         lines.extend(emit_buffer_load(value, ctx))
     for value in ctx.kernel.computes:
@@ -243,7 +248,7 @@ def emit_chunk_body(ctx: KernelContext) -> list[str]:
 
     for value, index in pending.items():  # read first inside V loop `index`
         plain[index].extend(emit_buffer_load(value, ctx))
-    body = []
+    body = ["    " + line for line in init_lines(ctx)]
     for index in range(count + 1):
         body.extend(indent(plain[index], 4).split("\n") if plain[index] else [])
         if index < count:

@@ -118,6 +118,58 @@ class MaskRows(ChunkOp):
 
 
 @dataclass(frozen=True)
+class FiniteRows(ChunkOp):
+    """x with its non-finite entries set to 0 (a log-decay keeps -inf, a hard reset): a per-token
+    value of the recurrence, computed from the call's inputs. In the forward kernels a row that
+    held one also poisons the results: every output row and stored row from it on, and the exit
+    state, become NaN (docs/design.md §2, "Non-finite inputs"), so a NaN at token t reaches only
+    what the recurrence reaches from t on, never the rows before it through a masked product
+    (0 * NaN). The backward copies x: its kernels guard nothing (docs/design.md §2)."""
+
+    x: str
+    log_decay: bool = False  # -inf is a value, not a fault
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"finite_rows({self.x}{', -inf kept' if self.log_decay else ''})"
+
+
+@dataclass(frozen=True)
+class ClampBelow(ChunkOp):
+    """max(x, floor) elementwise; NaN stays NaN. The gate's log-decay is floored before its
+    cumulative sums (docs/design.md §2, "Hard resets"): a decay of exp(floor) already drops the
+    state below fp32's resolution, and a stronger one (-1e9, -inf) would make every later
+    difference G_i - G_j of the chunk's fp32 prefix sums lose all its digits."""
+
+    x: str
+    floor: float
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"max({self.x}, {self.floor:g})"
+
+
+@dataclass(frozen=True)
+class ClampBelowGrad(ChunkOp):
+    """dy where x >= floor (and where x is NaN), else 0: the adjoint of ClampBelow. Appears in
+    backward programs only (no adjoint rule)."""
+
+    x: str
+    dy: str
+    floor: float
+
+    def args(self):
+        return (self.x, self.dy)
+
+    def describe(self):
+        return f"{self.dy} where not {self.x} < {self.floor:g}, else 0"
+
+
+@dataclass(frozen=True)
 class Broadcast(ChunkOp):
     """x repeated to this op's shape: a scalar everywhere; a vector along the axis it shares with
     the tile, the first axis first: a C-vector over C x _ (x_i in every column of row i), a

@@ -22,11 +22,14 @@ from .chunk import (
     Band,
     Broadcast,
     ChunkProgram,
+    ClampBelow,
+    ClampBelowGrad,
     Cumsum,
     DecayMatrix,
     DecayedGram,
     DecayedMatMul,
     Diagonal,
+    FiniteRows,
     Formula,
     LastRow,
     Load,
@@ -79,6 +82,13 @@ def _t_broadcast(op: Broadcast, env, ctx):
 def _t_mask_rows(op: MaskRows, env, ctx):
     rows = (torch.arange(ctx.sizes["C"]) < ctx.valid_rows).view(-1, *([1] * (len(op.shape) - 1)))
     return torch.where(rows, env[op.x], torch.zeros((), dtype=torch.float64))
+
+
+def _t_finite_rows(op: FiniteRows, env, ctx):
+    # the values only: the poisoning of later rows is the kernels' (docs/design.md §2)
+    x = env[op.x]
+    ok = ~torch.isnan(x) & (x < math.inf) if op.log_decay else torch.isfinite(x)
+    return torch.where(ok, x, 0.0)
 
 
 def _t_normalize(op: Normalize, env, ctx):
@@ -154,6 +164,9 @@ TORCH_RULES = {
     Normalize: _t_normalize,
     Formula: _t_formula,
     MaskRows: _t_mask_rows,
+    ClampBelow: lambda op, env, ctx: torch.where(env[op.x] < op.floor, op.floor, env[op.x]),
+    FiniteRows: _t_finite_rows,
+    ClampBelowGrad: lambda op, env, ctx: torch.where(env[op.x] < op.floor, 0.0, env[op.dy]),
     Broadcast: _t_broadcast,
     Cumsum: _t_cumsum,
     LastRow: lambda op, env, ctx: env[op.x][-1],
@@ -340,6 +353,10 @@ SYMPY_RULES = {
     Normalize: _s_normalize,
     Formula: _s_formula,
     MaskRows: _s_mask_rows,
+    # the proofs' symbols stand for log-decays above the floor, where the clamp is the identity
+    ClampBelow: lambda op, env, ctx: env[op.x],
+    FiniteRows: lambda op, env, ctx: env[op.x],
+    ClampBelowGrad: lambda op, env, ctx: env[op.dy],
     Broadcast: _s_broadcast,
     Cumsum: _s_cumsum,
     LastRow: _s_last_row,

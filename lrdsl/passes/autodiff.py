@@ -17,7 +17,7 @@ Adjoint rules: elementwise formulas by sympy.diff; a broadcast sums back; cumsum
 last row -> placed on the last row; exp2(G_i - G_j) -> ln2 * (row sums - column sums) of dD * D;
 the per-channel decayed product M = sum_c a_ic b_jc exp2(x_ic - y_jc) -> da, db by the same decayed
 product applied to dM (and its transpose), dx = ln2 a * da, dy = -ln2 b * db (one decay: their sum);
-masks mask; matmuls transpose; X = (I + A)^-1 -> dA = StrictLower(-X^T dX X^T); the L2 norm ->
+masks mask; a floor passes the gradient where it does not clamp; matmuls transpose; X = (I + A)^-1 -> dA = StrictLower(-X^T dX X^T); the L2 norm ->
 its Jacobian-vector product.
 """
 from __future__ import annotations
@@ -32,11 +32,14 @@ from ..ir.chunk import (
     Broadcast,
     ChunkOp,
     ChunkProgram,
+    ClampBelow,
+    ClampBelowGrad,
     Cumsum,
     DecayMatrix,
     DecayedGram,
     DecayedMatMul,
     Diagonal,
+    FiniteRows,
     Formula,
     LastRow,
     Load,
@@ -126,6 +129,17 @@ def _broadcast(op: Broadcast, dy: str, sweep: Sweep):
 @adjoint(MaskRows)
 def _mask_rows(op: MaskRows, dy: str, sweep: Sweep):
     yield op.x, str(sweep.b.add(MaskRows(sweep.name(op.x, op), op.shape, dy)))
+
+
+@adjoint(FiniteRows)
+def _finite_rows(op: FiniteRows, dy: str, sweep: Sweep):
+    yield op.x, dy  # the identity where x is finite; the backward guards no non-finite rows
+
+
+@adjoint(ClampBelow)
+def _clamp_below(op: ClampBelow, dy: str, sweep: Sweep):
+    # a floored log-decay takes no gradient: the recurrence's is exp(g) (...), below exp(floor)
+    yield op.x, str(sweep.b.add(ClampBelowGrad(sweep.name(op.x, op), op.shape, op.x, dy, op.floor)))
 
 
 @adjoint(Cumsum)

@@ -29,11 +29,13 @@ import sympy
 
 from ..ir.chunk import (
     Broadcast,
+    ClampBelow,
     ChunkOp,
     ChunkProgram,
     Cumsum,
     DecayMatrix,
     DecayedGram,
+    FiniteRows,
     Formula,
     LastRow,
     Load,
@@ -50,6 +52,13 @@ from ..ir.formula import HEAD_INDEX
 from ..ir.recurrence import GateKind, InputRole, Recurrence
 
 LOG2E = 1 / sympy.log(2)
+# Every token's log-decay is floored here before the chunk's cumulative sums (docs/design.md §2,
+# "Hard resets"). exp(-30) = 9.4e-14: a token at the floor keeps less than fp32's resolution
+# (6e-8) of the state before it, as a stronger decay would; and C tokens at the floor give the
+# prefix sums the magnitudes a gate of -30 per token always gave (the gate extremes every spec is
+# tested at). A log-decay of -1e9 or -inf would leave every later G_i - G_j of the chunk without a
+# digit (-inf - -inf is NaN).
+LOG_DECAY_FLOOR = -30.0
 
 INPUT_SHAPES: dict[InputRole, Shape] = {
     InputRole.TOKEN: ("C",),
@@ -136,7 +145,9 @@ def _low_rank_chunk(b: Builder, rec: Recurrence, t: Tiles) -> ChunkProgram:
     between the two, so nothing overflows at strong decay."""
     CK = ("C", "K")
     read = b.add(MaskRows(b.fresh("a_masked"), CK, str(b.formula_of_inputs("a_t", rec.low_rank_read, CK))))
+    read = b.add(FiniteRows(b.fresh("a_finite"), CK, str(read)))
     write = b.add(MaskRows(b.fresh("b_masked"), CK, str(b.formula_of_inputs("b_t", rec.low_rank_write, CK))))
+    write = b.add(FiniteRows(b.fresh("b_finite"), CK, str(write)))
     # the exclusive cumulative decay, summed directly (exactly 0 on the first row)
     G_excl = b.formula("G_excl", b.add(Cumsum(b.fresh("g_cumsum_excl"), CK, str(t.g), exclusive=True)) * LOG2E, CK)
     A_ab = b.add(DecayedGram(b.fresh("ABt_decayed"), ("C", "C"), str(read), str(write), str(G_excl), False, str(t.G)))
@@ -190,6 +201,9 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
         if not per_row:  # a constant gate: the same decay on every row
             g = b.add(Broadcast(b.fresh("g_rows"), ("C",), str(g)))
         g = b.add(MaskRows(b.fresh("g_masked"), gate_shape, str(g)))  # rows past the end decay nothing
+        if per_row:  # a non-finite gate poisons the rows from its token on (a per-head one: all)
+            g = b.add(FiniteRows(b.fresh("g_finite"), gate_shape, str(g), log_decay=True))
+        g = b.add(ClampBelow(b.fresh("g_floored"), gate_shape, str(g), LOG_DECAY_FLOOR))  # hard resets
         G = b.formula("G", b.add(Cumsum(b.fresh("g_cumsum"), gate_shape, str(g))) * LOG2E, gate_shape)
         G_last = b.add(LastRow(b.fresh("G_last"), gate_shape[1:], str(G)))
         gamma = b.formula("gamma", 2**G, gate_shape)
@@ -198,7 +212,9 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     if rec.has_beta:
         per_row = rec.is_per_token(rec.beta)
         beta = b.formula("beta_t", rec.beta, ("C",) if per_row else ())
-        if not per_row:
+        if per_row:
+            beta = b.add(FiniteRows(b.fresh("beta_finite"), ("C",), str(beta)))
+        else:
             beta = b.add(Broadcast(b.fresh("beta_rows"), ("C",), str(beta)))
 
     # -- the intra-chunk system and the residual Vn (what the state update writes)

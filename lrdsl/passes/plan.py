@@ -28,11 +28,11 @@ The plans differ in rule 3's grouping:
 """
 from __future__ import annotations
 
-from ..ir.chunk import Broadcast, ChunkProgram, Formula, Load, MaskRows, Normalize, UnitLowerInverse
+from ..ir.chunk import Broadcast, ChunkProgram, ClampBelow, FiniteRows, Formula, Load, MaskRows, Normalize, UnitLowerInverse
 from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
 
 FP32_BUFFER_SHAPES = (("C", "C"), ("C",), (), ("K",))
-ROW_LOCAL_OPS = (Normalize, Formula, MaskRows, Broadcast)  # row i of the result reads only row i (or scalars)
+ROW_LOCAL_OPS = (Normalize, Formula, MaskRows, FiniteRows, ClampBelow, Broadcast)  # row i of the result reads only row i (or scalars)
 
 PLAN_SUMMARIES = {
     "fused": "all prepare work in one kernel",
@@ -105,7 +105,7 @@ class _Planner:
     def chunk_size_free(self) -> set[str]:
         """Values whose rows do not depend on the chunk size: those the chunk program names, and
         row by row functions of them and of the call's inputs (a load, a row norm, an elementwise
-        formula, a row mask, a broadcast); a sum over the chunk's rows, its last row or a product
+        formula, a row mask, a floor, a broadcast); a sum over the chunk's rows, its last row or a product
         with another row's values depends on where the chunk starts."""
         free = set(self.prog.chunk_size_free)
         for op in self.prog.ops:
@@ -130,12 +130,13 @@ class _Planner:
 
     def as_cheap_as_a_load(self, value: str) -> bool:
         """Recomputing `value` reads no more memory than loading it would and does no row-wise
-        work (sums, cumsums, norms): a call input, or elementwise formulas and broadcasts of at
-        most one tile of `value`'s shape plus scalars that are themselves this cheap."""
+        work (sums, cumsums, norms): a call input, or elementwise formulas, broadcasts and
+        finite-row guards of at most one tile of `value`'s shape plus scalars that are themselves
+        this cheap."""
         op = self.prog.op(value)
         if isinstance(op, Load):
             return True
-        if not isinstance(op, (Formula, Broadcast)):
+        if not isinstance(op, (Formula, Broadcast, FiniteRows)):
             return False
         tiles = [a for a in op.args() if self.prog.shape(a) != ()]
         if len(tiles) > 1 or any(self.prog.shape(a) != op.shape for a in tiles):

@@ -30,9 +30,11 @@ from ..ir.chunk import (
     Band,
     Broadcast,
     ChunkProgram,
+    ClampBelow,
     Cumsum,
     DecayedGram,
     DecayMatrix,
+    FiniteRows,
     Formula,
     Load,
     Mask,
@@ -99,7 +101,7 @@ def _value_classes(prog: ChunkProgram) -> dict[str, object]:
         kind: object = "other"
         if isinstance(op, Load):
             kind = _class_of_shape(shape)
-        elif isinstance(op, (Normalize, MaskRows)) and args == ["row"]:
+        elif isinstance(op, (Normalize, MaskRows, FiniteRows, ClampBelow)) and args == ["row"]:
             kind = "row"
         elif isinstance(op, Cumsum) and args == ["row"] and not op.reverse:
             kind = ("offset", op.x, sympy.Integer(1))  # inclusive or exclusive: the same shift

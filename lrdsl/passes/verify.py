@@ -11,11 +11,14 @@ from ..ir.chunk import (
     Band,
     Broadcast,
     ChunkProgram,
+    ClampBelow,
+    ClampBelowGrad,
     Cumsum,
     DecayMatrix,
     DecayedGram,
     DecayedMatMul,
     Diagonal,
+    FiniteRows,
     Formula as ChunkFormula,
     LastRow,
     Load,
@@ -149,7 +152,7 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
         return _INPUT_SHAPES[rec.input(op.source).role.value]
     if isinstance(op, StateIn):
         return ("K", "V")
-    if isinstance(op, (Normalize, MaskRows, Cumsum, Mask)):
+    if isinstance(op, (Normalize, MaskRows, FiniteRows, ClampBelow, ClampBelowGrad, Cumsum, Mask)):
         return shapes[op.x]
     if isinstance(op, LastRow):
         return shapes[op.x][1:]
@@ -232,6 +235,8 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
         if isinstance(op, DecayedGram) and op.y is not None:
             _require(_exclusive_beside_inclusive(prog, op.x, op.y),
                      f"{where}: two decays must be the exclusive and inclusive cumulative sums of one log-decay")
+        if isinstance(op, ClampBelowGrad):
+            _require(shapes[op.dy] == shapes[op.x], f"{where}: the gradient's shape {shapes[op.dy]} is not {shapes[op.x]}")
         if isinstance(op, (Mask, UnitLowerInverse, Diagonal, Band)):
             arg = op.a if isinstance(op, UnitLowerInverse) else op.x
             _require(shapes[arg] == ("C", "C"), f"{where}: needs a C x C matrix")
@@ -254,6 +259,7 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
         _require((DecayMatrix in kinds) == (rec.has_gate and not per_channel),
                  f"{rec.name}: decay matrices belong to scalar and constant gates only")
         _require((DecayedGram in kinds) == per_channel, f"{rec.name}: per-channel decayed products belong to key-channel gates only")
+        _require((ClampBelow in kinds) == rec.has_gate, f"{rec.name}: a gated chunk program floors its log-decay (hard resets)")
         return
     _require(prog.direction == "backward", f"{rec.name}: unknown direction {prog.direction!r}")
     loads = {op.source: op.shape for op in prog.ops if isinstance(op, Load)}
