@@ -2,8 +2,8 @@
 #   make demo   compile specs/gdn.toml, run its kernels against the float64 oracle, print errors and times
 #   make test   run the test suite
 # Both create .venv and install lrdsl with its dependencies first (CPU machines get torch 2.13.0 and
-# triton 3.6.0; without a GPU the kernels run on Triton's CPU interpreter; pyproject.toml holds numpy
-# below 2.4, which Triton 3.6's interpreter needs).
+# triton 3.6.0, and numpy below 2.4, which Triton 3.6's interpreter needs; without a GPU the kernels run
+# on Triton's CPU interpreter).
 # The oldest Python pyproject.toml declares (requires-python), where installed: what CI must prove works.
 OLDEST_PYTHON := python$(shell sed -n 's/^requires-python = ">=\([0-9.]*\)"/\1/p' pyproject.toml)
 PYTHON ?= $(shell command -v $(OLDEST_PYTHON) >/dev/null 2>&1 && echo $(OLDEST_PYTHON) || echo python3)
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "triton==3.6.0"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test]" "numpy<2.4"
 	touch $(STAMP)
 
 demo: $(STAMP)

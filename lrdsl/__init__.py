@@ -28,6 +28,8 @@ try:
     config.use_interpreter_without_gpu()
 except LrdslError as _too_late:  # triton came first: say so once; the kernels' own check refuses CPU tensors
     warnings.warn(str(_too_late), config.InterpreterWarning, stacklevel=2)
+if config.interpreting() and (_problem := config.interpreter_numpy_problem()):
+    raise LrdslError(_problem)
 
 
 def load(spec):

@@ -12,6 +12,7 @@ LRDSL_FUZZ_EXAMPLES  examples per test of the spec fuzzer (tests/test_fuzz_specs
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 
@@ -62,6 +63,30 @@ def use_interpreter_without_gpu() -> bool:
                          "import lrdsl first (before transformers' Qwen3.5 model too) or set TRITON_INTERPRET=1")
     os.environ["TRITON_INTERPRET"] = "1"
     return True
+
+
+def interpreter_numpy_problem(numpy_version: str | None = None, triton_version: str | None = None) -> str | None:
+    """Why the CPU interpreter cannot run lrdsl's kernels here, or None. Triton 3.6's interpreter
+    cannot take a loaded loop bound (the scans' `for` over chunks) with numpy >= 2.4: every chunk
+    call would die in a long InterpreterError. The wheel does not pin numpy for it (GPU users never
+    interpret), so `import lrdsl` refuses the combination where it runs the interpreter. Versions
+    are read from the installed distributions, never by importing triton (which must come after
+    TRITON_INTERPRET is set)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        numpy_version = numpy_version or version("numpy")
+        triton_version = triton_version or version("triton")
+    except PackageNotFoundError:
+        return None
+
+    def release(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+    if release(triton_version) == (3, 6) and release(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s CPU interpreter cannot run lrdsl's kernels with numpy {numpy_version}: "
+                'pip install "numpy<2.4" (or use a GPU)')
+    return None
 
 
 def never_interpret() -> None:

@@ -137,8 +137,9 @@ def test_wheel_installs_into_a_clean_environment_and_runs_from_another_directory
 
 def check_wheel_metadata(wheel: Path):
     """What `pip install lrdsl` holds: the license as an SPDX expression with its text shipped,
-    the Python versions CI runs, and numpy below 2.4 (Triton 3.6's CPU interpreter fails on every
-    chunk call with 2.4)."""
+    the Python versions CI runs, and numpy unpinned: a pin for Triton 3.6's CPU interpreter would
+    downgrade numpy for GPU users, so `import lrdsl` refuses that combination instead
+    (test_import_refuses_numpy_the_interpreter_cannot_run)."""
     import zipfile
 
     with zipfile.ZipFile(wheel) as archive:
@@ -148,7 +149,7 @@ def check_wheel_metadata(wheel: Path):
     assert "License-Expression: Apache-2.0" in text.splitlines()
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     assert f"Requires-Python: >={'.'.join(map(str, declared_python()))}" in text.splitlines()
-    assert "Requires-Dist: numpy<2.4" in text.splitlines(), [line for line in text.splitlines() if "numpy" in line]
+    assert "Requires-Dist: numpy" in text.splitlines(), [line for line in text.splitlines() if "numpy" in line]
 
 
 def test_license_file_is_the_apache_license():
@@ -187,3 +188,31 @@ def test_declared_python_is_what_the_code_needs_and_ci_runs():
     assert chosen.returncode == 0, chosen.stderr
     assert chosen.stdout.strip() == (oldest if shutil.which(oldest) else "python3")
     assert sys.version_info[:len(minimum)] >= minimum
+
+
+def test_interpreter_numpy_problem_names_the_combination_that_fails():
+    from lrdsl import config
+
+    problem = config.interpreter_numpy_problem("2.4.0", "3.6.0")
+    assert problem is not None and "numpy 2.4.0" in problem and 'pip install "numpy<2.4"' in problem
+    assert "\n" not in problem
+    assert config.interpreter_numpy_problem("2.3.5", "3.6.0") is None
+    assert config.interpreter_numpy_problem("2.5.2", "3.7.1") is None  # only the version it was seen on
+
+
+def test_import_refuses_numpy_the_interpreter_cannot_run():
+    """A CPU machine with numpy 2.4 (what a plain `pip install lrdsl` could bring before triton 3.6
+    supported it): one line at `import lrdsl`, not a 57-line InterpreterError at the first chunk
+    call. The installed numpy's version is faked through importlib.metadata in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    program = ("import importlib.metadata as m; real = m.version; "
+               "m.version = lambda name: '2.4.0' if name == 'numpy' else real(name); import lrdsl")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU: import lrdsl turns the interpreter on
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("lrdsl.errors.LrdslError: Triton") and 'pip install "numpy<2.4"' in last, run.stderr
