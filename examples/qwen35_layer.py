@@ -22,7 +22,7 @@ config.use_interpreter_without_gpu()  # before anything imports triton
 import torch  # noqa: E402
 
 from lrdsl.layers import GatedDeltaNet, GatedDeltaNetCache  # noqa: E402
-from lrdsl.workloads import TOLERANCE  # noqa: E402
+from lrdsl.verification.workloads import TOLERANCE  # noqa: E402
 
 
 def relative(a, b):

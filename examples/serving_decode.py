@@ -38,8 +38,8 @@ import torch  # noqa: E402
 import lrdsl  # noqa: E402
 from lrdsl import reference  # noqa: E402
 from lrdsl.passes.pipeline import run_pipeline  # noqa: E402
-from lrdsl.specs_registry import load_spec_by_name  # noqa: E402
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error  # noqa: E402
+from lrdsl.spec import load_spec_by_name  # noqa: E402
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error  # noqa: E402
 
 SLOTS, POOL_ROWS, DRAFTS = 4, 8, 3
 

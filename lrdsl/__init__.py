@@ -18,7 +18,7 @@ import warnings
 from . import config
 from .errors import InputError, LrdslError
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["load", "layers", "ops", "integrations", "InputError", "LrdslError", "__version__"]
 

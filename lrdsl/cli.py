@@ -44,7 +44,7 @@ SPEC_HELP = "a shipped spec's name (lrdsl specs lists them) or a spec file's pat
 
 
 def _parse_shape(text: str):
-    from .workloads import Shape
+    from .verification.workloads import Shape
 
     try:
         values = [int(x) for x in text.split(",")]
@@ -106,7 +106,7 @@ def show_stages() -> tuple[str, ...]:
 def cmd_show(args) -> int:
     from .codegen.module import emit_module
     from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
+    from .spec import load_spec_by_name as load_spec
 
     stage = args.stage.replace("-", "_")  # backward-plan reads as well as backward_plan
     if stage not in show_stages():
@@ -131,9 +131,9 @@ def _run_checks(spec_path: str, shape, seed, module=None, timed=True, plans=None
     import torch
 
     from . import load
-    from .check import check_module, format_header, format_row
+    from .verification.check import check_module, format_header, format_row
     from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
+    from .spec import load_spec_by_name as load_spec
 
     interpreted = config.use_interpreter_without_gpu()
     rec = run_pipeline(load_spec(spec_path), until="recurrence")["recurrence"]
@@ -197,7 +197,7 @@ def _check_plan_and_chunk_size(spec_path: str, plan, chunk_size) -> None:
 
 
 def cmd_specs(args) -> int:
-    from .specs_registry import load_spec_by_name, shipped_spec_dir, shipped_spec_names
+    from .spec import load_spec_by_name, shipped_spec_dir, shipped_spec_names
 
     names = shipped_spec_names()
     width = max(map(len, names), default=0)
@@ -208,19 +208,19 @@ def cmd_specs(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from .memory import run
+    from .measure.memory import run
 
     return run(args)
 
 
 def cmd_resources(args) -> int:
-    from .resources import run
+    from .measure.resources import run
 
     return run(args)
 
 
 def run_tool(run, args) -> int:
-    """`python -m lrdsl.memory` and `python -m lrdsl.resources`: the CLI's one-line errors and exit statuses."""
+    """`python -m lrdsl.measure.memory` and `python -m lrdsl.measure.resources`: the CLI's one-line errors and exit statuses."""
     args.run = run
     return run_command(args)
 
@@ -228,8 +228,8 @@ def run_tool(run, args) -> int:
 def _prove(spec_path: str, backward: bool = True) -> int:
     from .ir.chunk import NoChunkForm
     from .passes.pipeline import run_pipeline
-    from .prove import prove, prove_backward
-    from .specs_registry import load_spec_by_name as load_spec
+    from .verification.prove import prove, prove_backward
+    from .spec import load_spec_by_name as load_spec
 
     stages = run_pipeline(load_spec(spec_path), until="backward_factored")
     prog = stages["chunk"]
@@ -274,7 +274,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import parse_shapes, require_matplotlib
+    from .measure.bench import parse_shapes, require_matplotlib
 
     # everything that can be wrong with the command is said before any GPU time is spent
     for option, target in (("--json", args.json), ("--plot", args.plot)):
@@ -300,7 +300,7 @@ def cmd_bench(args) -> int:
 
 def _bench_report_from_json(args) -> int:
     """Table, summary, JSON and plot of rows measured earlier (no GPU needed)."""
-    from .bench import rows_from_json
+    from .measure.bench import rows_from_json
 
     if args.specs or args.all:
         raise LrdslError("bench --from-json reports rows measured earlier: give no spec files or --all")
@@ -309,7 +309,7 @@ def _bench_report_from_json(args) -> int:
 
 def _bench_report(rows, args, print_rows: bool) -> int:
     """The ratio summary, --json, --plot; exit status 1 when an lrdsl row FAILED the gate."""
-    from .bench import HEADER, LRDSL, format_row, format_summary, plot_ratios, to_json
+    from .measure.bench import HEADER, LRDSL, format_row, format_summary, plot_ratios, to_json
 
     if print_rows:
         print(f"{HEADER}\n{'-' * len(HEADER)}")
@@ -331,9 +331,9 @@ def _bench_report(rows, args, print_rows: bool) -> int:
 
 def _bench_spec_paths(args) -> list[str]:
     """The specs named, or with --all every spec in ./specs that has an FLA counterpart."""
-    from .bench import fla_baseline
+    from .measure.bench import fla_baseline
     from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
+    from .spec import load_spec_by_name as load_spec
 
     if args.all and args.specs:
         raise LrdslError("bench: give spec files or --all, not both")
@@ -352,9 +352,9 @@ def _bench_spec_paths(args) -> list[str]:
 def _bench_specs(spec_paths, plans, chunk_sizes) -> list:
     """Compile each spec (no GPU needed) and check --plans and --chunk-sizes against its module."""
     from . import load
-    from .bench import SpecUnderTest
+    from .measure.bench import SpecUnderTest
     from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
+    from .spec import load_spec_by_name as load_spec
 
     specs = []
     for path in spec_paths:
@@ -374,7 +374,7 @@ def _bench_on_gpu(args, specs, shapes, plans, chunk_sizes) -> int:
     import torch
     import triton
 
-    from .bench import HEADER, allow_fla_gated_backward_on_hopper, bench, fla_baseline, format_row, resolve_fla
+    from .measure.bench import HEADER, allow_fla_gated_backward_on_hopper, bench, fla_baseline, format_row, resolve_fla
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"fla-core {_installed_version('fla-core')}, flash-qla {_installed_version('flash-qla')}; seed {args.seed}")
@@ -442,8 +442,8 @@ def cmd_cache(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .memory import add_arguments as memory_arguments
-    from .resources import add_arguments as resources_arguments
+    from .measure.memory import add_arguments as memory_arguments
+    from .measure.resources import add_arguments as resources_arguments
 
     parser = argparse.ArgumentParser(prog="lrdsl", description="Compile linear-recurrence specs into Triton kernels.")
     parser.add_argument("--version", action="version", version=f"lrdsl {__version__}")

@@ -91,7 +91,7 @@ def interpreter_numpy_problem(numpy_version: str | None = None, triton_version: 
 
 def never_interpret() -> None:
     """Turn Triton's CPU interpreter off for this process (tools that compile for a GPU target or
-    only count launches, never run a kernel: lrdsl.resources, lrdsl.memory). Must run before
+    only count launches, never run a kernel: lrdsl.measure.resources, lrdsl.measure.memory). Must run before
     anything imports triton."""
     os.environ.pop("TRITON_INTERPRET", None)
 

@@ -11,7 +11,7 @@ Phases (what `lrdsl bench` would time, with --backward on training shapes):
     family-b   kda, gla, rwkv7 at the family shape
     decode     gdn at B = 1, 64, 256, 1024 (eager and CUDA-graph replay), beside the card's copy bandwidth
 
-Each (spec, shape) is one lrdsl.bench.bench() call with every peer column (FLA's Triton kernels,
+Each (spec, shape) is one lrdsl.measure.bench.bench() call with every peer column (FLA's Triton kernels,
 the backend FLA dispatches to, FlashQLA directly) and the oracle gate on every row, as `lrdsl
 bench` runs it. After each group the phase's rows are written to $OUT/PHASE.json, so a run cut
 off by the device's 10-minute limit keeps what it measured. A (spec, shape) is not started once
@@ -59,9 +59,9 @@ def main(argv) -> int:
     import triton
 
     import lrdsl
-    from lrdsl import bench as lb
+    from lrdsl.measure import bench as lb
     from lrdsl.passes.pipeline import run_pipeline
-    from lrdsl.specs_registry import load_spec_by_name
+    from lrdsl.spec import load_spec_by_name
 
     if not torch.cuda.is_available():
         print("bench_peers: needs a CUDA GPU", file=sys.stderr)

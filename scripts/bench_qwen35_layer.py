@@ -26,9 +26,9 @@ import triton
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-from lrdsl.bench import allow_fla_gated_backward_on_hopper
+from lrdsl.measure.bench import allow_fla_gated_backward_on_hopper
 from lrdsl.layers import GatedDeltaNet
-from lrdsl.workloads import TOLERANCE, relative_error
+from lrdsl.verification.workloads import TOLERANCE, relative_error
 
 # Two bf16 computations of one layer, each within bf16's tolerance of the exact result, differ by
 # at most twice it: beyond that one of them is wrong and neither is timed.

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch, triton, triton.testing
 
 sys.path.insert(0, os.getcwd())
-from lrdsl.workloads import Shape, make_inputs, relative_error
+from lrdsl.verification.workloads import Shape, make_inputs, relative_error
 from lrdsl import reference
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.spec import load_spec

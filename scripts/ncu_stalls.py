@@ -78,7 +78,7 @@ def source_lines(module_path, kernel_name, shape, count):
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import triton
-    from lrdsl.resources import _compile, _LaunchRecorder
+    from lrdsl.measure.resources import _compile, _LaunchRecorder
     from run_once import call, load_module
 
     module = load_module(module_path)

@@ -38,7 +38,7 @@ def main(argv) -> int:
         return fail("needs a CUDA GPU: it profiles CUDA kernels")
 
     import lrdsl
-    from lrdsl import bench as lb
+    from lrdsl.measure import bench as lb
     from lrdsl.passes.pipeline import run_pipeline
     from lrdsl.spec import load_spec
 
@@ -52,7 +52,7 @@ def main(argv) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from lrdsl.workloads import Shape
+    from lrdsl.verification.workloads import Shape
 
     B, T, H, HV = dims
     shape = Shape(B, T, H, HV, 128, 128)

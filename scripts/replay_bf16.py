@@ -42,7 +42,7 @@ import lrdsl  # noqa: E402
 from lrdsl import reference  # noqa: E402
 from lrdsl.passes.pipeline import run_pipeline  # noqa: E402
 from lrdsl.spec import load_spec  # noqa: E402
-from lrdsl.workloads import Shape, make_inputs, relative_error  # noqa: E402
+from lrdsl.verification.workloads import Shape, make_inputs, relative_error  # noqa: E402
 
 
 def round_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.getcwd())
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.spec import load_spec
-from lrdsl.workloads import Shape, make_inputs
+from lrdsl.verification.workloads import Shape, make_inputs
 
 
 def load_module(path):

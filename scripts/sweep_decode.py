@@ -22,8 +22,8 @@ import torch
 from lrdsl.codegen import module as module_emitter
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.runtime.loader import import_file
-from lrdsl.specs_registry import load_spec_by_name
-from lrdsl.workloads import Shape, make_inputs, relative_error
+from lrdsl.spec import load_spec_by_name
+from lrdsl.verification.workloads import Shape, make_inputs, relative_error
 
 PROG = "sweep_decode.py"
 

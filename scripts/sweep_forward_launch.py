@@ -8,10 +8,10 @@ Rows are printed and written to OUT_DIR/sweep_SPEC.jsonl (default: the current d
 import json, os, sys
 import torch, triton
 import lrdsl
-from lrdsl.bench import make_call
+from lrdsl.measure.bench import make_call
 from lrdsl.passes.pipeline import run_pipeline
-from lrdsl.specs_registry import load_spec_by_name
-from lrdsl.workloads import Shape, relative_error
+from lrdsl.spec import load_spec_by_name
+from lrdsl.verification.workloads import Shape, relative_error
 
 name, HV = sys.argv[1], int(sys.argv[2])
 out_dir = sys.argv[3] if len(sys.argv) > 3 else "."

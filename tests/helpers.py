@@ -9,7 +9,7 @@ import lrdsl
 from lrdsl import reference
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.spec import load_spec
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from conftest import SPECS
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from lrdsl import reference
-from lrdsl.workloads import Shape, make_inputs, relative_error
+from lrdsl.verification.workloads import Shape, make_inputs, relative_error
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from lrdsl.passes.plan import plan_kernels
 from lrdsl.passes.save_policy import choose_saved, sub_chunk_values
 from lrdsl.passes.stage_graph import build_stage_graph
 from lrdsl.passes.verify import verify
-from lrdsl.prove import prove_backward
+from lrdsl.verification.prove import prove_backward
 from lrdsl.spec import load_spec
-from lrdsl.workloads import Shape, relative_error
+from lrdsl.verification.workloads import Shape, relative_error
 
 from helpers import ALL_SPECS, CORE_SPECS, SHAPE_STRATEGIES, direct_input, module, recurrence, sample, spec_path
 
@@ -511,7 +511,7 @@ def test_check_reports_a_gradient_error_the_forward_hides(generator, device):
     """`lrdsl check` compares gradients too: right outputs with wrong gradients fail."""
     from types import SimpleNamespace
 
-    from lrdsl.check import check_module
+    from lrdsl.verification.check import check_module
 
     rec, mod = recurrence("deltanet"), module("deltanet")
 

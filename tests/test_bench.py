@@ -1,4 +1,4 @@
-"""The benchmark harness (lrdsl.bench) without a GPU and without fla-core: row building, the
+"""The benchmark harness (lrdsl.measure.bench) without a GPU and without fla-core: row building, the
 correctness gate, FLA's keyword mapping, ratios, JSON and the plot, at tiny shapes on the CPU.
 
 fla-core is replaced by a fake package whose functions have fla-core 0.6.0's exact signatures,
@@ -16,9 +16,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lrdsl import bench, cli, reference
+from lrdsl.measure import bench
+from lrdsl import cli, reference
 from lrdsl.errors import LrdslError
-from lrdsl.workloads import Shape
+from lrdsl.verification.workloads import Shape
 
 from conftest import HAS_GPU, ROOT
 from helpers import module, recurrence

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lrdsl import config
-from lrdsl.workloads import Shape
+from lrdsl.verification.workloads import Shape
 
 from helpers import module, recurrence, sample
 

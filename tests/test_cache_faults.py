@@ -19,7 +19,7 @@ import torch
 import lrdsl
 from lrdsl import reference
 from lrdsl.runtime import cache, loader
-from lrdsl.workloads import Shape, make_inputs
+from lrdsl.verification.workloads import Shape, make_inputs
 
 from helpers import assert_close, recurrence, spec_path
 

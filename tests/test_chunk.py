@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from lrdsl import reference
-from lrdsl.workloads import Shape, relative_error
+from lrdsl.verification.workloads import Shape, relative_error
 
 from helpers import (
     BETA_EXTREMES,

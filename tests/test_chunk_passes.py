@@ -8,15 +8,15 @@ import sympy
 import torch
 
 from lrdsl import reference
-from lrdsl.chunk_reference import run_chunked
+from lrdsl.verification.chunk_reference import run_chunked
 from lrdsl.errors import IRError
 from lrdsl.ir.chunk import DecayedGram, DecayMatrix, Formula, MatMul, NoChunkForm, UnitLowerInverse
 from lrdsl.passes.derive_chunk import derive_chunk
 from lrdsl.passes.plan import plan_kernels
 from lrdsl.passes.stage_graph import build_stage_graph
 from lrdsl.passes.verify import verify
-from lrdsl.prove import prove, prove_case
-from lrdsl.workloads import Shape
+from lrdsl.verification.prove import prove, prove_case
+from lrdsl.verification.workloads import Shape
 
 from helpers import ALL_SPECS, CORE_SPECS, recurrence, sample
 
@@ -361,4 +361,4 @@ def test_a_backward_larger_than_any_measured_chunk_size_is_refused_at_compile_ti
     with pytest.raises(CompileError) as info:
         emit_module(run_pipeline(load_spec(spec_path("rwkv7"))), spec_path="specs/rwkv7.toml")
     assert str(info.value) == ("rwkv7: the backward's output kernel computes 10 per-key-channel decayed products, more "
-                               "than any chunk size was measured to fit (python -m lrdsl.resources)")
+                               "than any chunk size was measured to fit (python -m lrdsl.measure.resources)")

@@ -17,7 +17,7 @@ import torch
 from lrdsl import reference
 from lrdsl.cli import main
 from lrdsl.passes.pipeline import STAGES
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs
 
 from conftest import HAS_GPU, INTERPRETED, ROOT
 from helpers import assert_close, recurrence, spec_path
@@ -657,7 +657,7 @@ def test_version():
 
 def test_specs_lists_every_shipped_spec_with_its_summary():
     """Before: no command listed the shipped specs (`lrdsl specs` was an argparse error)."""
-    from lrdsl.specs_registry import load_spec_by_name, shipped_spec_names
+    from lrdsl.spec import load_spec_by_name, shipped_spec_names
 
     result = run(["specs"], cwd=ROOT.parent)
     assert result.returncode == 0, result.stderr
@@ -704,7 +704,7 @@ TOOL_ERRORS = [
 
 @pytest.mark.parametrize("args, fragment", TOOL_ERRORS)
 def test_memory_and_resources_say_bad_input_in_one_line(args, fragment):
-    """`lrdsl memory|resources` and `python -m lrdsl.memory|resources` alike. Before: tracebacks
+    """`lrdsl memory|resources` and `python -m lrdsl.measure.memory|resources` alike. Before: tracebacks
     (unknown save policy, chunk size 128, a missing spec), and no such subcommands."""
     assert_one_line_error(run(args), fragment)
     if args[1:2] != ["gdn"] or args[2:3] == ["--chunk-size"]:  # python -m: a case of each kind (CI's time)

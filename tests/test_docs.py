@@ -18,7 +18,7 @@ from lrdsl import config, reference
 from lrdsl.cli import show_stages
 from lrdsl.errors import SpecError
 from lrdsl.spec import load_spec, parse_spec
-from lrdsl.workloads import Shape, make_inputs
+from lrdsl.verification.workloads import Shape, make_inputs
 
 from conftest import HAS_GPU, INTERPRETED, ROOT
 from helpers import assert_close, recurrence
@@ -105,7 +105,7 @@ def check_bench(result, cwd):
 
 def check_specs(result, cwd):
     assert result.returncode == 0, result.stderr
-    from lrdsl.specs_registry import shipped_spec_names
+    from lrdsl.spec import shipped_spec_names
 
     assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == list(shipped_spec_names())
 

@@ -13,7 +13,7 @@ import torch
 
 import lrdsl.ops as ops
 from lrdsl import reference
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from conftest import ROOT, INTERPRETED
 from helpers import module, recurrence

@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs
 
 from helpers import module, recurrence
 from oracle_checks import Call, assert_errors, causality_errors, oracle_errors

@@ -8,7 +8,7 @@ import torch
 
 import lrdsl
 from lrdsl.errors import InputError, LrdslError
-from lrdsl.workloads import Shape, make_inputs
+from lrdsl.verification.workloads import Shape, make_inputs
 
 from helpers import recurrence
 

@@ -15,7 +15,7 @@ from lrdsl.errors import SpecError
 from lrdsl.ir.formula import parse_formula
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.spec import load_spec
-from lrdsl.workloads import TOLERANCE, Shape
+from lrdsl.verification.workloads import TOLERANCE, Shape
 
 from oracle_checks import Call, assert_errors, oracle_errors
 

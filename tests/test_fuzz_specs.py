@@ -41,7 +41,7 @@ from lrdsl.ir.formula import FUNCTIONS, HEAD_INDEX, FormulaSyntaxError, parse_fo
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.reference import evaluate_formula
 from lrdsl.spec import load_spec
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs
 
 from oracle_checks import Call, assert_errors, causality_errors, oracle_errors
 from test_hygiene import generated_names
@@ -587,7 +587,7 @@ def test_valid_specs_without_gradients_and_second_derivatives(spec, case, edge, 
     their chunks prepared as drawn); a second derivative (create_graph=True, a constant cotangent)
     is refused in one line."""
     from lrdsl import reference  # imported here: this section merges apart from the file's other draws
-    from lrdsl.workloads import relative_error
+    from lrdsl.verification.workloads import relative_error
 
     text = toml_text(spec.document())
     note(text)

@@ -17,7 +17,7 @@ import pytest
 from lrdsl.codegen.module import emit_module
 from lrdsl.passes.pipeline import STAGES, run_pipeline
 from lrdsl.spec import load_spec
-from lrdsl.specs_registry import shipped_spec_names
+from lrdsl.spec import shipped_spec_names
 
 from helpers import spec_path
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lrdsl import reference
-from lrdsl.workloads import TOLERANCE, Shape, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, relative_error
 
 from helpers import ALL_SPECS, direct_input, force_segments, module, recurrence, sample
 

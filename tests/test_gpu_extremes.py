@@ -23,7 +23,7 @@ import torch
 
 from lrdsl import reference
 from lrdsl.ir.formula import torch_function
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from helpers import ALL_SPECS, module, recurrence
 

@@ -14,7 +14,7 @@ import torch
 
 from lrdsl import reference
 from lrdsl.layers.kernels import layer_kernels
-from lrdsl.workloads import TOLERANCE, Shape, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, relative_error
 
 from helpers import ALL_SPECS, module, recurrence, sample
 
@@ -161,7 +161,7 @@ def _cuda_generator(generator):
 
 
 def _sample_on_gpu(rec, shape, generator):
-    """make_inputs's distributions (lrdsl.workloads), drawn on the GPU: q, k, v normal; an input
+    """make_inputs's distributions (lrdsl.verification.workloads), drawn on the GPU: q, k, v normal; an input
     that is the log-decay uniform in [-0.5, 0], one that is beta uniform in (0, 1), others normal;
     gates and per-head inputs fp32, the rest bf16."""
     B, T, H, HV, K, V = shape.B, shape.T, shape.H, shape.HV, shape.K, shape.V

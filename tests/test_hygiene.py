@@ -26,7 +26,7 @@ from lrdsl.ir.step import Formula as StepFormula
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.runtime.loader import generate
 from lrdsl.spec import load_spec
-from lrdsl.workloads import TOLERANCE, Shape
+from lrdsl.verification.workloads import TOLERANCE, Shape
 
 from helpers import ALL_SPECS, spec_path
 from oracle_checks import Call, assert_errors, oracle_errors

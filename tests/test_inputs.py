@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrdsl.workloads import Shape, make_inputs
+from lrdsl.verification.workloads import Shape, make_inputs
 
 from helpers import module, recurrence
 
@@ -128,7 +128,7 @@ def test_tf32_chunk_size_default_and_limit(device):
     v = torch.randn(1, 40, 2, 16, device=device)
     g, beta = -torch.rand(1, 40, 2, device=device), torch.rand(1, 40, 2, device=device)
     from lrdsl import reference
-    from lrdsl.workloads import relative_error
+    from lrdsl.verification.workloads import relative_error
 
     from helpers import recurrence
 
@@ -146,7 +146,7 @@ def test_key_channel_delta_chunk_size_follows_key_width(name, generator, device)
     and refuses 64 in one line; at K <= 128 it keeps 64. The rule comes from the backward program
     (how many decayed products its output kernel computes), not the spec's name."""
     from lrdsl import reference
-    from lrdsl.workloads import relative_error
+    from lrdsl.verification.workloads import relative_error
 
     mod, rec = module(name), recurrence(name)
     assert mod.largest_chunk_size(128) == 64 and mod.largest_chunk_size(129) == 32

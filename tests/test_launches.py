@@ -10,7 +10,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from lrdsl import reference
 from lrdsl.layers.kernels import layer_kernels
-from lrdsl.workloads import TOLERANCE, Shape, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, relative_error
 
 from helpers import module, recurrence, sample
 
@@ -168,9 +168,9 @@ def test_layer_kernels_refuse_tensors_on_different_devices(generator):
 
 def test_chunk_sizes_of_wide_inputs_fit_a_gpu_block():
     """fp32 and fp64 inputs multiply in their own width on a GPU, so their default (and largest)
-    chunk size is one whose kernels fit a block's shared memory (as lrdsl.resources measured them,
+    chunk size is one whose kernels fit a block's shared memory (as lrdsl.measure.resources measured them,
     the module's LARGEST_CHUNK_SIZE_WIDE_INPUTS); the interpreter has no such limit. A meta tensor
-    stands for a GPU's, as in lrdsl.resources."""
+    stands for a GPU's, as in lrdsl.measure.resources."""
     mod = module("gdn")
 
     def largest(dtype, K, device="meta", precision="input"):
@@ -293,7 +293,7 @@ def test_the_chunk_size_estimate_rates_the_launches_the_module_runs(monkeypatch)
     from lrdsl.codegen import launch
     from lrdsl.passes.pipeline import run_pipeline
     from lrdsl.spec import load_spec
-    from lrdsl.specs_registry import shipped_spec_names
+    from lrdsl.spec import shipped_spec_names
 
     from helpers import spec_path
 

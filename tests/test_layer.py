@@ -27,8 +27,8 @@ from lrdsl.integrations import patch_qwen35, unpatch
 from lrdsl.layers import GatedDeltaNet, GatedDeltaNetCache
 from lrdsl.layers.gated_deltanet import CONFIG_ATTRIBUTES, RECURRENCE_SPEC, cached_state, recurrence_module
 from lrdsl.layers.kernels import layer_kernels
-from lrdsl.specs_registry import resolve_spec
-from lrdsl.workloads import TOLERANCE, relative_error
+from lrdsl.spec import resolve_spec
+from lrdsl.verification.workloads import TOLERANCE, relative_error
 
 TOL = TOLERANCE[torch.float32]
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from lrdsl.codegen.layer_kernels import emit_layer_kernels
 from lrdsl.errors import CompileError
 from lrdsl.layers.kernels import layer_kernels
-from lrdsl.workloads import TOLERANCE, relative_error
+from lrdsl.verification.workloads import TOLERANCE, relative_error
 
 TOL = TOLERANCE[torch.float32]
 

@@ -1,4 +1,4 @@
-"""lrdsl.memory: the bytes a chunk call holds at each kernel launch, counted on meta tensors, are
+"""lrdsl.measure.memory: the bytes a chunk call holds at each kernel launch, counted on meta tensors, are
 what the same call holds when its kernels run (here on the CPU interpreter, with real tensors)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lrdsl import config
-from lrdsl.memory import MiB, HeldAtLaunch, LiveAllocations, call_memory, peak
-from lrdsl.workloads import Shape, make_inputs
+from lrdsl.measure.memory import MiB, HeldAtLaunch, LiveAllocations, call_memory, peak
+from lrdsl.verification.workloads import Shape, make_inputs
 
 from conftest import ROOT
 from helpers import module, recurrence, spec_path
@@ -33,7 +33,7 @@ def _held_when_run(mod, rec, shape, dtype, save_policy, monkeypatch) -> list[Hel
         return launch(kernel, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recorded)
-    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 132)  # as lrdsl.memory's recorder shows the module
+    monkeypatch.setattr(mod, "_multiprocessors", lambda q: 132)  # as lrdsl.measure.memory's recorder shows the module
     monkeypatch.setattr(mod, "_exact_products", lambda q: q.dtype in (torch.float32, torch.float64))
     tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0), normalize_keys=False)
     leaves = [t.requires_grad_() for t in tensors]
@@ -61,7 +61,7 @@ def test_meta_count_matches_the_run(name, save_policy, dtype, monkeypatch):
 
 
 def test_cli_reports_each_launch_and_the_peak():
-    result = subprocess.run([sys.executable, "-m", "lrdsl.memory", spec_path("gdn"), "--shape", "2,300,2,4,64,64"],
+    result = subprocess.run([sys.executable, "-m", "lrdsl.measure.memory", spec_path("gdn"), "--shape", "2,300,2,4,64,64"],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from lrdsl import ops, reference
-from lrdsl.specs_registry import resolve_spec
-from lrdsl.workloads import TOLERANCE, relative_error
+from lrdsl.spec import resolve_spec
+from lrdsl.verification.workloads import TOLERANCE, relative_error
 from test_ops import REQUIRED, leaves, on, parameter_list, transposed
 
 TOL = TOLERANCE[torch.float32]

@@ -22,7 +22,7 @@ import pytest
 
 import lrdsl
 from lrdsl.errors import SpecError
-from lrdsl.specs_registry import resolve_spec, shipped_spec_names
+from lrdsl.spec import resolve_spec, shipped_spec_names
 
 from conftest import ROOT, SPECS
 
@@ -57,8 +57,8 @@ INSTALLED_CHECK = textwrap.dedent('''
     from lrdsl import reference
     from lrdsl.layers import GatedDeltaNet
     from lrdsl.ops import chunk_gated_delta_rule
-    from lrdsl.specs_registry import resolve_spec
-    from lrdsl.workloads import relative_error
+    from lrdsl.spec import resolve_spec
+    from lrdsl.verification.workloads import relative_error
 
     assert Path(lrdsl.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), lrdsl.__file__
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lrdsl.workloads import Shape
+from lrdsl.verification.workloads import Shape
 
 from helpers import (
     ALL_SPECS,

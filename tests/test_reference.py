@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lrdsl import reference
-from lrdsl.workloads import Shape
+from lrdsl.verification.workloads import Shape
 
 from helpers import recurrence, sample
 

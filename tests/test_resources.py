@@ -1,5 +1,5 @@
 """Every kernel a spec emits compiles for sm_90 (the H200) and fits its limits, checked on the
-CPU: Triton compiles for a GPU target without one (lrdsl.resources). Each check compiles chunk
+CPU: Triton compiles for a GPU target without one (lrdsl.measure.resources). Each check compiles chunk
 (forward and backward, every plan) and recurrent."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from helpers import ALL_SPECS, module, spec_path
 
 
 def compile_for_sm90(specs, shapes, *options):
-    """Runs lrdsl.resources in a fresh process (it compiles for the target, so Triton must not be
+    """Runs lrdsl.measure.resources in a fresh process (it compiles for the target, so Triton must not be
     in interpreter mode); returns its report's rows per spec header line."""
-    command = [sys.executable, "-m", "lrdsl.resources", *map(spec_path, specs), *options]
+    command = [sys.executable, "-m", "lrdsl.measure.resources", *map(spec_path, specs), *options]
     for shape in shapes:
         command += ["--shape", shape]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -120,7 +120,7 @@ def test_launch_settings_replace_the_modules_one_report_each():
     ("apply=128,4,2,300", "apply's MAXNREG must be 24..255 registers, got 300"),
 ])
 def test_bad_launch_setting_is_a_one_line_error(setting, message):
-    result = subprocess.run([sys.executable, "-m", "lrdsl.resources", spec_path("gdn"), "--launch", setting],
+    result = subprocess.run([sys.executable, "-m", "lrdsl.measure.resources", spec_path("gdn"), "--launch", setting],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 2 and message in result.stderr.splitlines()[-1], result.stderr
     assert "Traceback" not in result.stderr, result.stderr
@@ -159,7 +159,7 @@ def test_no_backward_output_kernel_starves_at_the_default_settings(shape, names)
 
 
 def test_starved_means_under_half_the_registers_while_spilling():
-    from lrdsl.resources import KernelResources
+    from lrdsl.measure.resources import KernelResources
 
     def row(registers, spills, warps):
         return KernelResources("k", "", registers, spills, 0, warps)
@@ -187,7 +187,7 @@ def test_a_register_cap_in_the_launch_setting_reaches_ptxas():
 
 def test_the_verdict_is_ok_only_without_a_problem():
     """Before: a starved row read "ok  STARVED: ..." (and an over-limit one could too)."""
-    from lrdsl.resources import KernelResources
+    from lrdsl.measure.resources import KernelResources
 
     starved = KernelResources("k", "", 32, 8000, 0, 4)
     assert starved.verdict == "STARVED: 32 of 255 registers, spilling" and " ok" not in starved.describe()

@@ -18,7 +18,7 @@ import lrdsl
 from lrdsl import reference
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.spec import load_spec
-from lrdsl.workloads import TOLERANCE, Shape, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, relative_error
 
 from helpers import assert_close, module, recurrence, sample
 from test_reference import KDA_AS_DPLR  # the gated delta rule written as a dplr spec

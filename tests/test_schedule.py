@@ -12,7 +12,7 @@ from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.codegen import schedule
 from lrdsl.runtime.loader import generate
 from lrdsl.spec import load_spec
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from helpers import module, recurrence, spec_path
 
@@ -263,7 +263,7 @@ def test_scalar_gate_suffix_sums_are_differences_of_the_inclusive_one(name, diff
 def _every_kernel():
     """(spec, KernelContext with its placement and eager sums) of every chunk kernel of every shipped spec."""
     from lrdsl.codegen.context import KernelContext
-    from lrdsl.specs_registry import shipped_spec_names
+    from lrdsl.spec import shipped_spec_names
 
     for name in shipped_spec_names():
         item = run_pipeline(load_spec(spec_path(name)))["save"]

@@ -14,10 +14,10 @@ from lrdsl.codegen.segments import segment_refusal
 from lrdsl.ir.chunk import Formula, MatMul
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.spec import load_spec
-from lrdsl.workloads import Shape
+from lrdsl.verification.workloads import Shape
 
 from lrdsl import reference
-from lrdsl.workloads import relative_error
+from lrdsl.verification.workloads import relative_error
 
 from helpers import (ALL_SPECS, CORE_SPECS, TOLERANCE, direct_input, force_segments, module, recurrence, run_case, sample,
                      spec_path)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lrdsl import reference
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from helpers import ALL_SPECS, module, recurrence
 

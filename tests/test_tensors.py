@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lrdsl import reference
-from lrdsl.workloads import TOLERANCE, Shape, make_inputs, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from helpers import module, recurrence, sample
 from oracle_checks import Call, assert_errors, oracle_errors

@@ -33,7 +33,7 @@ from ..ir.chunk import (
 )
 from ..ir.formula import HEAD_INDEX
 from ..ir.recurrence import InputRole
-from ..registry import TypeRegistry
+from ..ir.registry import TypeRegistry
 from .context import (
     COTANGENT_POINTER,
     KernelContext,

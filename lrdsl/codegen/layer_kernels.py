@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sympy
 
-from .. import __version__
+from ..version import __version__
 from ..errors import CompileError
 from ..ir.formula import sigmoid
 from .printer import HELPERS, to_triton

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
-from .. import __version__
+from ..version import __version__
 from ..errors import CompileError
 from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence

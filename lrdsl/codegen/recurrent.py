@@ -27,7 +27,7 @@ from ..ir.step import (
     WriteLowRank,
     WriteState,
 )
-from ..registry import TypeRegistry
+from ..ir.registry import TypeRegistry
 from .names import input_pointer
 from .printer import to_triton
 from .templating import indent, render

@@ -1,10 +1,10 @@
 """Evaluate a chunk program on concrete or symbolic values.
 
 Two backends, one rule per op type each:
- - torch float64 tiles (`evaluate_torch`; lrdsl.chunk_reference runs whole sequences on it):
+ - torch float64 tiles (`evaluate_torch`; lrdsl.verification.chunk_reference runs whole sequences on it):
    checks the derived chunk form numerically against the oracle, independently of Triton;
  - sympy matrices (`evaluate_sympy`): the symbolic proof that the chunk form equals the
-   unrolled recurrence (lrdsl.prove).
+   unrolled recurrence (lrdsl.verification.prove).
 
 Values are tiles shaped exactly as the IR says: (C,) vectors, (C, K) matrices, () scalars.
 Rows past the sequence end (`valid_rows`) are zero in the loaded inputs, as in the kernels.

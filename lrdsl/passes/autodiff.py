@@ -54,7 +54,7 @@ from ..ir.chunk import (
     UnitLowerInverse,
 )
 from ..ir.plan import ChunkPlans
-from ..registry import TypeRegistry
+from ..ir.registry import TypeRegistry
 from .derive_chunk import Builder
 
 NOT_DIFFERENTIABLE = ("scale", "h")  # Load sources that take no gradient

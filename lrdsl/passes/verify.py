@@ -49,7 +49,7 @@ from ..ir.step import (
     WriteLowRank,
     WriteState,
 )
-from ..registry import TypeRegistry
+from ..ir.registry import TypeRegistry
 
 _VERIFIERS = TypeRegistry("verifier", IRError)
 verifies = _VERIFIERS.register

@@ -22,7 +22,7 @@ from ..codegen.module import emit_module
 from ..errors import LrdslError
 from ..passes.pipeline import run_pipeline
 from ..spec import load_spec
-from ..specs_registry import resolve_spec
+from ..spec import resolve_spec
 from . import cache
 
 KNOWN_OPTIONS: dict[str, object] = {}

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
-from .errors import LrdslError
-from .ir.recurrence import Recurrence
+from .. import reference
+from ..errors import LrdslError
+from ..ir.recurrence import Recurrence
 from .workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 

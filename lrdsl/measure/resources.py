@@ -11,7 +11,7 @@ register pressure and shared-memory overflows show up in CI, not on the GPU.
 
     lrdsl resources SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16] [--precision input]
                     [--chunk-size C|default] [--kernels TEXT] [--launch ROLE=BV,WARPS,STAGES[,MAXNREG] ...]
-                    (or python -m lrdsl.resources ...)
+                    (or python -m lrdsl.measure.resources ...)
 
 --launch replaces a kernel role's launch settings (the roles of the module's CHUNK_LAUNCH: system,
 apply, scan, output, bwd_output, ...) after the module's own rules have chosen them; given several
@@ -108,7 +108,7 @@ class _LaunchRecorder:
         self.module = module
         self.launches: list[tuple] = []
         # on_launch(kernel): called at each launch instead of recording it (the recorded arguments
-        # would keep every buffer the call allocates alive: lrdsl.memory counts what is held)
+        # would keep every buffer the call allocates alive: lrdsl.measure.memory counts what is held)
         self.on_launch = on_launch
 
     def __enter__(self):
@@ -260,7 +260,7 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     settings per kernel role that replace the module's (parse_launch)."""
     import torch
 
-    from .workloads import make_inputs
+    from ..verification.workloads import make_inputs
 
     tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0))
     # meta tensors: shapes and dtypes without data or a device; the launches are only recorded
@@ -319,7 +319,7 @@ def _calls_shown(calls: list[str]) -> str:
 
 
 def add_arguments(p) -> None:
-    """The options of `lrdsl resources` and `python -m lrdsl.resources`."""
+    """The options of `lrdsl resources` and `python -m lrdsl.measure.resources`."""
     p.add_argument("specs", nargs="+", metavar="spec", help="shipped spec names (lrdsl specs lists them) or spec files")
     p.add_argument("--shape", action="append", help="B,T,H,HV,K,V (repeat for several; default 1,256,2,4,128,128)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp64"))
@@ -336,17 +336,17 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     """Print the report; exit status 1 where a kernel does not fit. Bad input is an LrdslError (one line)."""
-    from . import config
+    from .. import config
 
     config.never_interpret()  # compile for the target
     import torch
 
-    from . import load
-    from .cli import _parse_shape
-    from .codegen.launch import CHUNK_LAUNCH
-    from .errors import LrdslError
-    from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
+    from .. import load
+    from ..cli import _parse_shape
+    from ..codegen.launch import CHUNK_LAUNCH
+    from ..errors import LrdslError
+    from ..passes.pipeline import run_pipeline
+    from ..spec import load_spec_by_name as load_spec
 
     # every setting checked before the first (slow) compile; the roles are every module's
     try:
@@ -392,9 +392,9 @@ def _chunk_size_shown(module, shape, precision, dtype, asked):
 
 
 def main(argv=None) -> int:
-    from .cli import run_tool
+    from ..cli import run_tool
 
-    p = argparse.ArgumentParser(prog="python -m lrdsl.resources", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lrdsl.measure.resources", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run_tool(run, p.parse_args(argv))
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .ir.chunk import ChunkProgram, Load
-from .ir.evaluate import evaluate_torch
-from .ir.recurrence import InputRole
+from ..ir.chunk import ChunkProgram, Load
+from ..ir.evaluate import evaluate_torch
+from ..ir.recurrence import InputRole
 
 
 def run_chunked(prog: ChunkProgram, q, k, v, *inputs, chunk_size: int, scale=None, initial_state=None,

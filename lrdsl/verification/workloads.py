@@ -11,7 +11,7 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from .ir.recurrence import InputRole, Recurrence
+from ..ir.recurrence import InputRole, Recurrence
 
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 8e-3, torch.bfloat16: 8e-3}
 

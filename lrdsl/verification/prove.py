@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from .ir.chunk import SAVED, ChunkProgram, Load
-from .ir.evaluate import evaluate_sympy
-from .ir.formula import HEAD_INDEX
-from .ir.recurrence import GateKind, InputRole
+from ..ir.chunk import SAVED, ChunkProgram, Load
+from ..ir.evaluate import evaluate_sympy
+from ..ir.formula import HEAD_INDEX
+from ..ir.recurrence import GateKind, InputRole
 
 CASES = ((2, 2), (3, 3), (3, 2))  # (C, rows in the sequence)
 

@@ -1,7 +1,7 @@
 """Peak GPU memory of a chunk call's forward + backward, without a GPU.
 
 The generated module is called on meta tensors (shapes and dtypes, no data) with its kernel
-launches intercepted (lrdsl.resources' launch recorder, which also shows the module an sm_90 GPU's
+launches intercepted (lrdsl.measure.resources' launch recorder, which also shows the module an sm_90 GPU's
 132 multiprocessors): the launchers allocate, keep and drop their buffers as they do on a GPU,
 and autograd keeps what the save policy saved, so the bytes the call holds at each launch are
 what a GPU's allocator holds then. The peak counts what the call allocates (its buffers, o, the
@@ -12,7 +12,7 @@ scripts/compare_modules.py reports. For gdn at the three training shapes it gave
 4 x 4096, as measured (BENCHMARKS.md rounds 22 and 23).
 
     lrdsl memory SPEC [SPEC ...] [--shape B,T,H,HV,K,V ...] [--dtype bf16]
-                 [--save-policy P] [--chunk-size C] [--no-backward]     (or python -m lrdsl.memory ...)
+                 [--save-policy P] [--chunk-size C] [--no-backward]     (or python -m lrdsl.measure.memory ...)
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def call_memory(module, rec, shape, dtype=torch.bfloat16, precision="input", sav
     the gradients of o) holds at each kernel launch, and after it ("returned", its outputs and
     gradients still held by the caller)."""
     from .resources import _LaunchRecorder
-    from .workloads import make_inputs
+    from ..verification.workloads import make_inputs
 
     tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0), normalize_keys=False)
     leaves = [t.to("meta").requires_grad_(backward) for t in tensors]
@@ -101,7 +101,7 @@ def peak(held: list[HeldAtLaunch]) -> HeldAtLaunch:
 
 
 def add_arguments(p) -> None:
-    """The options of `lrdsl memory` and `python -m lrdsl.memory`."""
+    """The options of `lrdsl memory` and `python -m lrdsl.measure.memory`."""
     p.add_argument("specs", nargs="+", metavar="spec", help="shipped spec names (lrdsl specs lists them) or spec files")
     p.add_argument("--shape", action="append", help="B,T,H,HV,K,V (repeat for several; default 4,4096,16,32,128,128)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -113,15 +113,15 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     """Print each call's memory at every launch and its peak; bad input is an LrdslError (one line)."""
-    from . import config
+    from .. import config
 
     config.never_interpret()  # nothing runs: the launches are only counted
 
-    from . import load
-    from .cli import _parse_shape
-    from .errors import LrdslError
-    from .passes.pipeline import run_pipeline
-    from .specs_registry import load_spec_by_name as load_spec
+    from .. import load
+    from ..cli import _parse_shape
+    from ..errors import LrdslError
+    from ..passes.pipeline import run_pipeline
+    from ..spec import load_spec_by_name as load_spec
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     shapes = [_parse_shape(text) for text in args.shape or ["4,4096,16,32,128,128"]]  # all checked before any work
@@ -149,9 +149,9 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    from .cli import run_tool
+    from ..cli import run_tool
 
-    p = argparse.ArgumentParser(prog="python -m lrdsl.memory", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lrdsl.measure.memory", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run_tool(run, p.parse_args(argv))
 

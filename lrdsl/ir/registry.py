@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .errors import LrdslError
+from ..errors import LrdslError
 
 
 class TypeRegistry:
