@@ -12,6 +12,7 @@ import torch.utils._python_dispatch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import lrdsl
 from lrdsl import reference
 from lrdsl.errors import IRError
 import sympy
@@ -25,8 +26,9 @@ from lrdsl.passes.stage_graph import build_stage_graph
 from lrdsl.passes.verify import verify
 from lrdsl.verification.prove import prove_backward
 from lrdsl.spec import load_spec
-from lrdsl.verification.workloads import Shape, relative_error
+from lrdsl.verification.workloads import TOLERANCE, Shape, relative_error
 
+from oracle_checks import Call, assert_errors, oracle_errors
 from helpers import ALL_SPECS, CORE_SPECS, SHAPE_STRATEGIES, direct_input, module, recurrence, sample, spec_path
 
 GRAD_LIMIT = 3e-3
@@ -208,6 +210,20 @@ def test_verify_catches_a_gradient_of_the_wrong_shape():
     outputs = tuple((role, "d_k" if role == "grad:g" else value) for role, value in backward.outputs)
     with pytest.raises(IRError, match="dg has shape"):
         verify(dataclasses.replace(backward, outputs=outputs))
+
+
+def test_a_gradient_of_an_input_the_backward_reads_only_through_a_saved_value(tmp_path, generator):
+    """A plain update with a constant beta: the backward reads the forward's Vn = beta v back and
+    never loads v, yet writes v's gradient. The verifier (on in lrdsl.load) refused that module
+    ("gradient of v, which the program does not load"; the spec fuzzer's fixed-seed draws hit it);
+    its gradients are the oracle's."""
+    path = tmp_path / "constant_beta.toml"
+    path.write_text('name = "constant_beta"\n[recurrence]\nupdate = "plain"\ngate = "none"\n[inputs]\n'
+                    '[formulas]\nbeta = "sigmoid(0.75)"\n')
+    rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
+    verify(run_pipeline(load_spec(path))["backward"])
+    errors = oracle_errors(rec, lrdsl.load(path), Call(Shape(1, 40, 1, 2, 20, 24), h0=True, dht=True), generator)
+    assert_errors(errors, TOLERANCE[torch.float32], "constant beta")
 
 
 # -- generated backward kernels vs autograd through the oracle -----------------------------------

@@ -146,7 +146,7 @@ CHUNK_LAUNCH_WIDE_INPUTS = {**_CHECKED_WIDE}
 # The largest chunk size whose kernels fit an sm_90 block's shared memory (232,448 bytes), by
 # (precision, K > 128), after how many per-key-channel decayed products (DecayedGram,
 # DecayedMatMul: each holds C x K operand tiles) the backward's output kernel, the largest
-# kernel, computes. Measured with `python -m lrdsl.measure.resources SPEC --chunk-size C --kernels
+# kernel, computes. Measured with `lrdsl resources SPEC --chunk-size C --kernels
 # bwd_output` on that kernel at its launch settings (bytes; the sizes chunk() refuses, marked
 # over, were compiled with the module's LARGEST_CHUNK_SIZE lifted in the measuring process):
 #   0 (gdn, scalar gates)   C = 64: 73,728 (K = 128), 139,264 (K = 256); fp32 operands ("tf32")
@@ -182,7 +182,7 @@ def largest_chunk_sizes(item: BackwardPlan) -> dict:
         if products <= most:
             return sizes
     raise CompileError(f"{prog.recurrence.name}: the backward's output kernel computes {products} per-key-channel "
-                       f"decayed products, more than any chunk size was measured to fit (python -m lrdsl.measure.resources)")
+                       f"decayed products, more than any chunk size was measured to fit (lrdsl resources)")
 
 
 # The scan walks a sequence's chunks one after another, so where its programs at 64 value columns
@@ -228,7 +228,7 @@ CHUNK_LAUNCH_SMALL_CHUNK = {"bwd_output": Overlay(columns=128, stages=1), "syste
 # With grouped value heads (HV > H) the backward output kernel also sums each key head's q and k
 # gradients over its value heads, and for programs with more decayed products than
 # GROUPED_STARVED_PRODUCTS (rwkv7: 10) ptxas then gives up at 64 columns and 8 warps below the
-# largest chunk size: 32 registers per thread and 8,296 B of spills (`python -m lrdsl.measure.resources
+# largest chunk size: 32 registers per thread and 8,296 B of spills (`lrdsl resources
 # SPEC --shape 1,128,16,32,128,128 --chunk-size default --kernels bwd_output`). 32 columns on 16
 # warps keep 128 registers and spill 1,274 B. H200, rwkv7 forward + backward at 2 x 4096 with 16 key
 # heads: 30.45 -> 16.05 ms on 32 value heads; on 16 (no groups, where the kernel has its 255

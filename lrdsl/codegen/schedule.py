@@ -44,7 +44,7 @@ def inclusive_sibling(ctx, value: str) -> str | None:
 
     Not for C x K gates: their exclusive sums are a gather and a scan either way, and as
     differences ptxas compiled rwkv7's backward output kernel (C = 16, 16 warps) with 32
-    registers and 4.3 KB of spills per thread instead of 128 and 1.3 KB (lrdsl.measure.resources;
+    registers and 4.3 KB of spills per thread instead of 128 and 1.3 KB (lrdsl resources;
     tests/test_resources.py). (The exclusive prefix sums, the low-rank update's, are C x K.)"""
     op = ctx.prog.op(value)
     if not isinstance(op, Cumsum) or not (op.exclusive and op.reverse) or op.shape != ("C",):

@@ -262,12 +262,15 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
         _require((ClampBelow in kinds) == rec.has_gate, f"{rec.name}: a gated chunk program floors its log-decay (hard resets)")
         return
     _require(prog.direction == "backward", f"{rec.name}: unknown direction {prog.direction!r}")
-    loads = {op.source: op.shape for op in prog.ops if isinstance(op, Load)}
+    # the call's inputs and their tiles' shapes: a gradient need not be of a value the backward
+    # loads (a plain update with a constant beta reads the forward's Vn = beta v back, never v)
+    inputs = {name: _LOAD_SHAPES[name] for name in ("q", "k", "v")}
+    inputs.update({i.name: _INPUT_SHAPES[i.role.value] for i in rec.inputs})
     for role, value in prog.results:
         _require(role.startswith("grad:"), f"{rec.name}: a backward program outputs gradients, got {role}")
         source = role[len("grad:"):]
-        _require(source in loads, f"{rec.name}: gradient of {source}, which the program does not load")
-        _require(shapes[value] == loads[source], f"{rec.name}: d{source} has shape {shapes[value]}, {source} {loads[source]}")
+        _require(source in inputs, f"{rec.name}: gradient of {source}, which is not an input of the call")
+        _require(shapes[value] == inputs[source], f"{rec.name}: d{source} has shape {shapes[value]}, {source} {inputs[source]}")
     _require(UnitLowerInverse not in kinds, f"{rec.name}: the backward reads the solved system back, it never solves")
 
 

@@ -26,7 +26,7 @@ def resolve_launch(tables, role, *, precision, wide_k, wide_inputs, small_chunk,
           - a scan with fewer programs (scan_programs(BV); None: a scan run in segments, whose
             programs are many) than the GPU's multiprocessors: tables["launch_few_programs"],
             then with fewer than half of them tables["launch_fewer_programs"];
-      - a caller's own settings for the role (replaced: lrdsl.measure.resources' --launch).
+      - a caller's own settings for the role (replaced: lrdsl resources --launch).
     The value columns are then clamped to at least SMALLEST_DOT_TILE and at most V rounded up
     to a power of two."""
     settings = dict(tables["launch"][role])
