@@ -361,4 +361,4 @@ def test_a_backward_larger_than_any_measured_chunk_size_is_refused_at_compile_ti
     with pytest.raises(CompileError) as info:
         emit_module(run_pipeline(load_spec(spec_path("rwkv7"))), spec_path="specs/rwkv7.toml")
     assert str(info.value) == ("rwkv7: the backward's output kernel computes 10 per-key-channel decayed products, more "
-                               "than any chunk size was measured to fit (python -m lrdsl.measure.resources)")
+                               "than any chunk size was measured to fit (lrdsl resources)")

@@ -708,7 +708,7 @@ def test_memory_and_resources_say_bad_input_in_one_line(args, fragment):
     (unknown save policy, chunk size 128, a missing spec), and no such subcommands."""
     assert_one_line_error(run(args), fragment)
     if args[1:2] != ["gdn"] or args[2:3] == ["--chunk-size"]:  # python -m: a case of each kind (CI's time)
-        result = subprocess.run([sys.executable, "-m", f"lrdsl.{args[0]}", *args[1:]], cwd=ROOT, env=user_environment(),
+        result = subprocess.run([sys.executable, "-m", f"lrdsl.measure.{args[0]}", *args[1:]], cwd=ROOT, env=user_environment(),
                                 capture_output=True, text=True, timeout=600)
         assert_one_line_error(result, fragment)
 
