@@ -391,7 +391,7 @@ def test_calls_without_gradients_do_not_synchronise_gpu(mode, generator):
         torch.cuda.set_sync_debug_mode("error")
         try:
             chunks = mod.prepare_varlen(cu, 32, cu_seqlens_cpu=cu_cpu)
-            out = mod.chunk(*inside, cu_seqlens=cu, chunk_indices=chunks, output_final_state=True)
+            out = mod.chunk(*inside, cu_seqlens=cu, chunk_indices=chunks, chunk_size=32, output_final_state=True)
             mod.recurrent(*decode, state_pool=pool, state_indices=indices, validate=False)
             ops.chunk_gated_delta_rule(*inside, cu_seqlens=cu.long(), cu_seqlens_cpu=cu_cpu.long())
         finally:

@@ -207,3 +207,22 @@ def test_gpu_tests_draw_every_random_tensor_from_the_seeded_generator():
                 for number, line in enumerate(path.read_text().splitlines(), 1)
                 if _UNSEEDED.search(line)]
     assert unseeded == [], "\n".join(unseeded)
+
+
+def test_no_merge_conflict_markers_are_committed():
+    """A merge once committed unresolved conflict markers into README.md and docs/design.md: no
+    tracked text file may hold a line that is one."""
+    root = Path(__file__).resolve().parent.parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    marker = re.compile(r"^(<{7}( |$)|>{7}( |$)|={7}$)")
+    found = []
+    for name in files:
+        path = root / name
+        if path.suffix not in (".py", ".md", ".jinja", ".toml", ".txt", ".json", ".sh", ".cfg") and path.name not in ("Makefile", "run"):
+            continue
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if marker.match(line):
+                found.append(f"{name}:{number}")
+    assert not found, f"conflict markers: {found}"
