@@ -282,7 +282,25 @@ def test_call_shape_errors_name_the_tensor_and_its_shape(generator, device):
                 getattr(mod, fn)(*tensors, **options)
             text = str(info.value)
             assert "\n" not in text and text.startswith(f"gated_deltaproduct.{fn}: ") and message in text, text
-    cu = torch.tensor([0, 1, 6], device=device)
-    with pytest.raises(InputError, match=re.escape("chunk_indices are not taken with 2 steps per token")):
-        mod.chunk(q.reshape(1, 6, 1, 8), k.reshape(1, 12, 1, 8), v.reshape(1, 12, 2, 8),
-                  g.reshape(1, 6, 2), beta.reshape(1, 12, 2), cu_seqlens=cu, chunk_indices=mod.prepare_varlen(cu, 16))
+
+
+@pytest.mark.parametrize("host_copy", [False, True])
+def test_prepared_chunks_of_token_bounds(host_copy, generator, device):
+    """prepare_varlen takes token bounds (and their host copy) and counts the chunks of the rows;
+    chunks of another cu_seqlens are refused in one line."""
+    rec, mod = recurrence("gated_deltaproduct"), module("gated_deltaproduct")
+    bounds = (0, 7, 7, 19)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    chunks = mod.prepare_varlen(cu.to(device), 16, cu if host_copy else None)
+    assert chunks.num_tokens == 2 * bounds[-1]
+    call = Call(Shape(1, bounds[-1], 1, 2, 8, 8), bounds=bounds, h0=True, dht=True)
+
+    def layout(t):  # the call's cu_seqlens must be the very tensor the chunks were prepared from
+        return chunks.token_cu_seqlens if t.dtype == torch.int32 else t
+
+    errors = oracle_errors(rec, mod, call, generator, "chunk", device=device, layout=layout, chunk_size=16,
+                           chunk_indices=chunks)
+    assert_errors(errors, LIMIT, f"chunk with chunk_indices (host copy: {host_copy})")
+    tensors = [t.to(device) for t in make_inputs(rec, call.shape, generator=generator)]
+    with pytest.raises(InputError, match=re.escape("chunk_indices were prepared from another cu_seqlens")):
+        mod.chunk(*tensors, cu_seqlens=cu.clone().to(device), chunk_size=16, chunk_indices=chunks)

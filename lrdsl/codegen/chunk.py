@@ -294,4 +294,6 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str], steps: int = 1
         forward_options=forward_options(CHUNK_OPTIONS),
         first_kernel=first,
         steps=steps,
+        # with several steps per token the public prepare_varlen takes token bounds (steps_api)
+        prepare_rows="prepare_varlen" if steps == 1 else "_prepare_rows",
     )
