@@ -145,6 +145,7 @@ def emit_module(stages: dict, spec_path: str) -> str:
         host_helpers=host_code("helpers"),
         checks=host_code("checks"),
         sections="\n\n".join(sections),
+        steps=rec.steps_per_token,
     )
     ops_key = hashlib.sha256(source.encode()).hexdigest()[:12]
     return source.replace(OPS_KEY_PLACEHOLDER, ops_key)
