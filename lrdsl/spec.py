@@ -64,7 +64,7 @@ class Spec:
     inputs: tuple[tuple[str, InputRole], ...]
     formulas: dict[str, SpecFormula] = field(hash=False)
     key_lines: dict[str, int] = field(hash=False, repr=False)
-    steps_per_token: int = 1  # delta-rule (Householder) steps per token: Gated DeltaProduct's n
+    steps_per_token: int = 1  # update steps per token after one decay (Gated DeltaProduct: 2)
 
     def line_of(self, dotted_key: str) -> int:
         return _line_of(self.key_lines, dotted_key)
