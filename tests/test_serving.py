@@ -241,10 +241,11 @@ def test_verify_then_commit_every_accepted_count(name, generator, device):
     check_commit(rec, mod, before.cpu(), pool.cpu(), tensors, slots, accepted, None, device, what=name)
 
 
-@pytest.mark.parametrize("name", ["gdn", "kda", "linear_attn", "rwkv7"])
+@pytest.mark.parametrize("name", ["gdn", "kda", "linear_attn", "rwkv7", "gated_deltaproduct"])
 def test_verify_packed_drafts_state_v_first(name, generator, device):
     """Draft tokens packed with cu_seqlens (3, 0, 1 and 4 of them), states [P, HV, V, K]; commit
-    of 2, 0, 1, 4 (each sequence's last possible count where it has one)."""
+    of 2, 0, 1, 4 (each sequence's last possible count where it has one); with two steps per
+    token too (cu_seqlens and the counts are tokens)."""
     rec, mod = recurrence(name), module(name)
     P = 5
     pool = new_pool(P, generator, state_v_first=True).to(device)
