@@ -122,6 +122,8 @@ def cmd_show(args) -> int:
 
 def _describe_spec(spec) -> str:
     lines = [f"spec {spec.name}   ({spec.path})", f"  update   {spec.update.value}", f"  gate     {spec.gate.value}"]
+    if spec.steps_per_token > 1:
+        lines.append(f"  steps    {spec.steps_per_token} per token")
     lines += [f"  input    {name}: {role.value}" for name, role in spec.inputs]
     lines += [f"  formula  {key} = {f.text}" for key, f in spec.formulas.items()]
     return "\n".join(lines)

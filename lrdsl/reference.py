@@ -11,6 +11,11 @@ in-place updates), so gradient tests take autograd through it.
                                 use_qk_l2norm_in_kernel=False)
 
 `o` is float64 [B, T, HV, V]; `ht` float64 [N, HV, K, V] or None; both on q's device.
+
+With steps_per_token = n > 1 each token decays once, takes n update steps with its own k, v and
+step inputs (rows t*n .. t*n + n - 1 of k [B, T*n, H, K], v and beta's inputs) and is read once;
+cu_seqlens count tokens. This loop does exactly that, with no sub-step rows: it is the oracle of the
+compiler's lowering (passes/lower_steps.py), not a copy of it.
 """
 from __future__ import annotations
 
@@ -68,6 +73,7 @@ def run(
         raise TypeError(f"{rec.name} takes q, k, v{', ' if names else ''}{names}: got {3 + len(inputs)} tensors")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    steps = rec.steps_per_token  # update steps per token: k, v and the step inputs hold T * steps rows
     scale = K**-0.5 if scale is None else scale
 
     # GVA: value head h reads key head h // (HV / H). The oracle repeats; kernels index.
@@ -85,10 +91,10 @@ def run(
         g = evaluate_formula(rec.log_decay, named, roles, HV, per_key, q.device).to(q.device)
         g = g.expand(B, T, HV, K) if per_key else g.expand(B, T, HV)
     if rec.has_beta:
-        beta = evaluate_formula(rec.beta, named, roles, HV, per_key=False, device=q.device).to(q.device).expand(B, T, HV)
-    if rec.has_low_rank:  # a_t, b_t: [B, T, HV, K]
-        a = evaluate_formula(rec.low_rank_read, named, roles, HV, True, q.device).to(q.device).expand(B, T, HV, K)
-        b_write = evaluate_formula(rec.low_rank_write, named, roles, HV, True, q.device).to(q.device).expand(B, T, HV, K)
+        beta = evaluate_formula(rec.beta, named, roles, HV, per_key=False, device=q.device).to(q.device).expand(B, T * steps, HV)
+    if rec.has_low_rank:  # a_t, b_t: [B, T * steps, HV, K]
+        a = evaluate_formula(rec.low_rank_read, named, roles, HV, True, q.device).to(q.device).expand(B, T * steps, HV, K)
+        b_write = evaluate_formula(rec.low_rank_write, named, roles, HV, True, q.device).to(q.device).expand(B, T * steps, HV, K)
 
     if cu_seqlens is None:
         sequences = [(b, 0, T) for b in range(B)]
@@ -102,24 +108,26 @@ def run(
             S = initial_state[n].to(torch.float64)
         else:
             S = torch.zeros(HV, K, V, dtype=torch.float64, device=q.device)
-        for t in range(bos, eos):
+        for s in range(bos * steps, eos * steps):  # row s is step j of token t (one step: row s is token t)
+            t, j = divmod(s, steps)
             S_before = S
-            if rec.gate is GateKind.KEY_CHANNEL:
+            if rec.gate is GateKind.KEY_CHANNEL and j == 0:  # a token decays once, before its first step
                 S = torch.exp(g[b, t])[:, :, None] * S  # Diag(exp(g_t)) S
-            elif rec.has_gate:
+            elif rec.has_gate and j == 0:
                 S = torch.exp(g[b, t])[:, None, None] * S  # exp(g_t) S
             if rec.is_delta:
-                prediction = torch.einsum("hkv,hk->hv", S, k[b, t])  # S'^T k_t
-                u = v[b, t] - prediction
+                prediction = torch.einsum("hkv,hk->hv", S, k[b, s])  # S'^T k_t
+                u = v[b, s] - prediction
             else:
-                u = v[b, t]
+                u = v[b, s]
             if rec.has_beta:
-                u = beta[b, t][:, None] * u
-            S = S + torch.einsum("hk,hv->hkv", k[b, t], u)  # S_t = S' + k_t u_t^T
+                u = beta[b, s][:, None] * u
+            S = S + torch.einsum("hk,hv->hkv", k[b, s], u)  # S_t = S' + k_t u_t^T
             if rec.has_low_rank:  # + b_t (a_t^T S_{t-1}): the state before this step's decay
-                read = torch.einsum("hkv,hk->hv", S_before, a[b, t])
-                S = S + torch.einsum("hk,hv->hkv", b_write[b, t], read)
-            outputs.append(scale * torch.einsum("hkv,hk->hv", S, q[b, t]))  # o_t = scale S_t^T q_t
+                read = torch.einsum("hkv,hk->hv", S_before, a[b, s])
+                S = S + torch.einsum("hk,hv->hkv", b_write[b, s], read)
+            if j == steps - 1:  # a token is read once, after its last step
+                outputs.append(scale * torch.einsum("hkv,hk->hv", S, q[b, t]))  # o_t = scale S_t^T q_t
         finals.append(S)
 
     if outputs:

@@ -17,7 +17,7 @@ from .ir.formula import FormulaSyntaxError, parse_formula
 from .ir.recurrence import GateKind, InputRole, UpdateRule
 
 TOP_LEVEL_KEYS = ("name", "summary", "recurrence", "inputs", "formulas")
-RECURRENCE_KEYS = ("update", "gate")
+RECURRENCE_KEYS = ("update", "gate", "steps_per_token")
 FORMULA_KEYS = ("log_decay", "beta", "low_rank_read", "low_rank_write")
 
 # Spellings users reach for, mapped to the canonical values.
@@ -64,6 +64,7 @@ class Spec:
     inputs: tuple[tuple[str, InputRole], ...]
     formulas: dict[str, SpecFormula] = field(hash=False)
     key_lines: dict[str, int] = field(hash=False, repr=False)
+    steps_per_token: int = 1  # update steps per token after one decay (Gated DeltaProduct: 2)
 
     def line_of(self, dotted_key: str) -> int:
         return _line_of(self.key_lines, dotted_key)
@@ -114,6 +115,12 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     _reject_unknown(recurrence, RECURRENCE_KEYS, "recurrence.", fail)
     update = _choice(recurrence, "recurrence.update", "update", UPDATE_ALIASES, fail)
     gate = _choice(recurrence, "recurrence.gate", "gate", GATE_ALIASES, fail)
+    steps_per_token = recurrence.get("steps_per_token", 1)
+    # bool is an int to Python, never a count here
+    if isinstance(steps_per_token, bool) or not isinstance(steps_per_token, int):
+        raise fail("recurrence.steps_per_token", f"expected an integer >= 1, got {_type_name(steps_per_token)}")
+    if steps_per_token < 1:
+        raise fail("recurrence.steps_per_token", f"expected an integer >= 1, got {steps_per_token}")
 
     inputs_table = data.get("inputs", {})
     if not isinstance(inputs_table, dict):
@@ -159,6 +166,7 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
         inputs=tuple(inputs),
         formulas=formulas,
         key_lines=lines,
+        steps_per_token=steps_per_token,
     )
 
 

@@ -43,6 +43,13 @@ def module(name: str):
     return lrdsl.load(spec_path(name))
 
 
+def rows_per_token(rec) -> list[int]:
+    """Rows per token of q, k, v and each input (0: a per-head input): with steps_per_token = n,
+    k, v and the inputs of the steps hold n rows per token, q and the gate's inputs one."""
+    n = rec.steps_per_token
+    return [1, n, n] + [rec.rows_per_token(i) if i.role.per_token else 0 for i in rec.inputs]
+
+
 def direct_input(rec, formula):
     """The input a formula merely names (formula `g` -> input g), else None."""
     if formula is not None and isinstance(formula, sympy.Symbol):

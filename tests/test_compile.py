@@ -15,7 +15,7 @@ import torch
 from lrdsl import reference
 from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
-from helpers import module, recurrence
+from helpers import module, recurrence, rows_per_token
 
 LIMIT = TOLERANCE[torch.float32]
 BACKEND = "aot_eager"
@@ -42,14 +42,14 @@ def prefill_then_decode(mod):
 
 
 def split(name, tensors, at):
-    rec = recurrence(name)
-    per_token = [True] * 3 + [i.role.per_token for i in rec.inputs]
-    first = [t[:, :at] if p else t for t, p in zip(tensors, per_token)]
-    rest = [t[:, at:] if p else t for t, p in zip(tensors, per_token)]
+    """The tensors of the first `at` tokens and of the rest (several steps per token: their rows)."""
+    rows = rows_per_token(recurrence(name))
+    first = [t[:, :at * r] if r else t for t, r in zip(tensors, rows)]
+    rest = [t[:, at * r:] if r else t for t, r in zip(tensors, rows)]
     return first, rest
 
 
-@pytest.mark.parametrize("name", ["gdn", "linear_attn", "gdn_qwen35"])
+@pytest.mark.parametrize("name", ["gdn", "linear_attn", "gdn_qwen35", "gated_deltaproduct"])
 def test_prefill_and_decode_compile_fullgraph_forward_and_backward(name, generator, device):
     """fullgraph=True compiles chunk() then recurrent(), and the backward through both: the
     loss and every gradient equal the eager calls' and the oracle's."""
@@ -111,7 +111,7 @@ def serving_step(mod):
     return step
 
 
-@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7"])
+@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7", "gated_deltaproduct"])
 def test_serving_step_compiles_fullgraph(name, generator, device):
     """Pool decode, verify and commit (ops that update the pool in place) compile with
     fullgraph=True and leave the pool as the eager calls do; kda has no chunk form (its module

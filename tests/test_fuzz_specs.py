@@ -14,6 +14,9 @@ for a per-token input r, which the data set to 100, 3.2e4 or inf at one token, a
 per-token input is NaN (q, k, v: also +-inf) at a random token, and the kernels' outputs and
 final states must be non-finite exactly where the oracle's are, and match it elsewhere.
 
+Valid specs take 1, 2 or 3 update steps per token (recurrence.steps_per_token) wherever that
+applies.
+
 Invalid specs: a valid one with one thing broken; the error must be one line naming the file, the
 line (where the key is in the file) and the key.
 
@@ -129,13 +132,16 @@ class FuzzSpec:
     beta: str | None
     low_rank: tuple[str, str] | None = None  # dplr: (low_rank_read, low_rank_write)
     reset: str | None = None  # the per-token input r of a reset term - r**2 in the log-decay
+    steps: int = 1  # recurrence.steps_per_token
 
     def document(self) -> dict:
         pairs = (("log_decay", self.log_decay), ("beta", self.beta)) + tuple(zip(("low_rank_read", "low_rank_write"),
                                                                                    self.low_rank or ()))
         formulas = {k: v for k, v in pairs if v is not None}
-        return {"name": "fuzz", "recurrence": {"update": self.update, "gate": self.gate},
-                "inputs": dict(self.inputs), "formulas": formulas}
+        recurrence = {"update": self.update, "gate": self.gate}
+        if self.steps > 1:
+            recurrence["steps_per_token"] = self.steps
+        return {"name": "fuzz", "recurrence": recurrence, "inputs": dict(self.inputs), "formulas": formulas}
 
 
 ROLES_FOR = {  # roles a gate's formula and beta may read
@@ -200,7 +206,15 @@ def valid_specs(draw) -> FuzzSpec:
         roles = ["token"] if gate == "scalar" else ["token", "token_key"]
         inputs += ((reset, draw(st.sampled_from(roles))),)
         log_decay = f"{log_decay} - {reset}**2"
-    return FuzzSpec(update, gate, inputs, log_decay, beta, low_rank, reset)
+    # several steps per token where they apply: a gate that is not constant (or none), and no
+    # per-token input read both by the gate (one row per token) and by the steps (one per step)
+    steps = draw(st.sampled_from([1, 1, 2, 3]))
+    declared = [n for n, _ in inputs]
+    step_reads = set().union(*(_reads(text, declared) for text in (beta, *(low_rank or ())) if text is not None))
+    gate_reads = _reads(log_decay, declared) if log_decay is not None else set()
+    if gate == "constant" or gate_reads & step_reads & per_token:
+        steps = 1
+    return FuzzSpec(update, gate, inputs, log_decay, beta, low_rank, reset, steps)
 
 
 def _reads(text: str, names) -> set[str]:
@@ -444,6 +458,9 @@ def break_spec(doc: dict, kind: str, draw) -> str:
         key = draw(st.sampled_from(["gate", "update"]))
         recurrence[key] = draw(st.sampled_from(["diagonal", 3, True]))
         return f"recurrence.{key}"
+    if kind == "bad_steps":
+        recurrence["steps_per_token"] = draw(st.sampled_from([0, -1, 2.5, "2", True]))
+        return "recurrence.steps_per_token"
     if kind == "reserved_name":
         name = draw(st.sampled_from(RESERVED))
         inputs[name] = "token"
@@ -506,7 +523,7 @@ def break_spec(doc: dict, kind: str, draw) -> str:
     raise AssertionError(kind)
 
 
-BREAKS = ["unknown_key", "bad_value", "reserved_name", "bad_role", "unused_input", "formula_text", "formula_type",
+BREAKS = ["unknown_key", "bad_value", "bad_steps", "reserved_name", "bad_role", "unused_input", "formula_text", "formula_type",
           "gate_without_decay", "decay_without_gate", "non_real_power", "growing_decay",
           "head_index_outside_constant_gate", "per_key_beta", "constant_gate_reads_a_token", "scalar_gate_reads_no_token"]
 

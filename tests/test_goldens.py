@@ -6,7 +6,8 @@ the diff of tests/golden/.
 
 The kinds: gdn (delta rule, scalar gate), kda (key-channel gate), rwkv7 (the low-rank dplr
 update), simple_gla (plain update) and retnet (constant gate) take different branches of
-derive_chunk, autodiff and the planner.
+derive_chunk, autodiff and the planner; gated_deltaproduct (two steps per token) shows the
+lower_steps pass's sub-step rows.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lrdsl.spec import shipped_spec_names
 
 from helpers import spec_path
 
-GOLDEN_SPECS = ("gdn", "kda", "rwkv7", "simple_gla", "retnet")
+GOLDEN_SPECS = ("gdn", "kda", "rwkv7", "simple_gla", "retnet", "gated_deltaproduct")
 IR_STAGES = STAGES[1:]  # "spec" is the parsed TOML, not IR
 
 

@@ -19,7 +19,7 @@ import torch
 from lrdsl import reference
 from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
-from helpers import ALL_SPECS, module, recurrence
+from helpers import ALL_SPECS, module, recurrence, rows_per_token
 
 LIMIT = TOLERANCE[torch.float32]
 H, HV, K, V = 1, 2, 12, 10  # K, V not powers of two: the kernels' masks are on
@@ -32,15 +32,14 @@ def has_chunk(name):
 def sequence_inputs(rec, tensors, n, tokens=None):
     """Sequence n's inputs for the oracle: batch row n of the per-token tensors (their tokens
     `tokens`, a slice, when packed), the per-head ones whole."""
-    roles = [True, True, True] + [i.role.per_token for i in rec.inputs]
     picked = []
-    for per_token, x in zip(roles, tensors):
-        if not per_token:
+    for rows, x in zip(rows_per_token(rec), tensors):
+        if not rows:
             picked.append(x)
         elif tokens is None:
             picked.append(x[n:n + 1])
-        else:
-            picked.append(x[:, tokens])
+        else:  # a token's rows (several steps per token: k, v and the inputs of the steps)
+            picked.append(x[:, tokens.start * rows:tokens.stop * rows])
     return picked
 
 
@@ -56,7 +55,7 @@ class ReferencePool:
 
     def run(self, rec, tensors, indices, bounds=None, **options):
         """The oracle's o for one call on the pool (zeros for padding slots); advances the rows."""
-        B, T, heads, width = tensors[2].shape
+        (B, T), (heads, width) = tensors[0].shape[:2], tensors[2].shape[2:]
         o = torch.zeros(B, T, heads, width, dtype=torch.float64, device=self.rows.device)
         for n, row in enumerate(indices):
             tokens = None if bounds is None else slice(bounds[n], bounds[n + 1])
@@ -206,8 +205,7 @@ def check_commit(rec, mod, pool_before, pool, draft_tensors, slots, accepted, bo
         if row < 0:
             continue
         start = n * T if bounds is None else bounds[n]
-        packed = [t.reshape(1, -1, *t.shape[2:]) if per_token else t
-                  for t, per_token in zip(draft_tensors, [True] * 3 + [i.role.per_token for i in rec.inputs])]
+        packed = [t.reshape(1, -1, *t.shape[2:]) if rows else t for t, rows in zip(draft_tensors, rows_per_token(rec))]
         prefix = sequence_inputs(rec, packed, 0, slice(start, start + count))
         ref.run(rec, prefix, [row])
         alone = pool_before.clone().to(device)
@@ -243,10 +241,11 @@ def test_verify_then_commit_every_accepted_count(name, generator, device):
     check_commit(rec, mod, before.cpu(), pool.cpu(), tensors, slots, accepted, None, device, what=name)
 
 
-@pytest.mark.parametrize("name", ["gdn", "kda", "linear_attn", "rwkv7"])
+@pytest.mark.parametrize("name", ["gdn", "kda", "linear_attn", "rwkv7", "gated_deltaproduct"])
 def test_verify_packed_drafts_state_v_first(name, generator, device):
     """Draft tokens packed with cu_seqlens (3, 0, 1 and 4 of them), states [P, HV, V, K]; commit
-    of 2, 0, 1, 4 (each sequence's last possible count where it has one)."""
+    of 2, 0, 1, 4 (each sequence's last possible count where it has one); with two steps per
+    token too (cu_seqlens and the counts are tokens)."""
     rec, mod = recurrence(name), module(name)
     P = 5
     pool = new_pool(P, generator, state_v_first=True).to(device)

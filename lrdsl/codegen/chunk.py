@@ -241,7 +241,9 @@ def _first_user(calls: list[dict], param: str) -> dict:
     raise CompileError(f"no backward kernel writes {param}")
 
 
-def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
+def emit_chunk_section(item: BackwardPlan, positional: list[str], steps: int = 1) -> str:
+    """The chunk section; positional: the public parameters; steps: the spec's steps_per_token
+    (above 1, chunk() hands its tokens to _chunk_by_token, which expands them to the kernels' rows)."""
     plans = item.forward
     prog = plans.graph.program
     kernels: dict[str, str] = {}
@@ -291,4 +293,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str]) -> str:
         signature=signature(positional, CHUNK_OPTIONS),
         forward_options=forward_options(CHUNK_OPTIONS),
         first_kernel=first,
+        steps=steps,
+        # with several steps per token the public prepare_varlen takes token bounds (steps_api)
+        prepare_rows="prepare_varlen" if steps == 1 else "_prepare_rows",
     )

@@ -60,8 +60,9 @@ def _draft_layout(step: StepProgram) -> tuple[str, str]:
     return doc, tuples
 
 
-def emit_recurrent_section(step: StepProgram) -> str:
-    rec = step.recurrence
+def emit_recurrent_section(step: StepProgram, rec: Recurrence) -> str:
+    """The recurrent section: the kernels of `step` (over the rows lower_steps made), the public
+    functions with the parameters of `rec`, the spec's recurrence."""
     draft_doc, draft_tuples = _draft_layout(step)
     return render(
         "recurrent_api.py.jinja",
@@ -81,6 +82,19 @@ def emit_recurrent_section(step: StepProgram) -> str:
         state_values_per_warp=32 * RECURRENT_STATE_VALUES_PER_THREAD,
         commit_block_v=COMMIT_BLOCK_V,
         commit_num_warps=COMMIT_NUM_WARPS,
+        steps=rec.steps_per_token,
+    )
+
+
+def emit_steps_section(rec: Recurrence, rows: Recurrence) -> str:
+    """The host code of steps_per_token > 1 (passes/lower_steps.py): the public functions' tokens
+    -> the kernels' rows (`rows`, the lowered recurrence, may take the step gate after the spec's
+    inputs), and the rows' outputs -> the tokens'."""
+    return render(
+        "steps_api.py.jinja",
+        steps=rec.steps_per_token,
+        rows_per_token=[rec.rows_per_token(i) if i.role.per_token else 0 for i in rec.inputs],
+        step_gate=len(rows.inputs) > len(rec.inputs),
     )
 
 
@@ -108,7 +122,10 @@ def emit_module(stages: dict, spec_path: str) -> str:
         f"chunk({signature(_positional(rec), CHUNK_OPTIONS)}) -> (o, final_state | None)   [differentiable]",
         "prepare_varlen(cu_seqlens, chunk_size=64, cu_seqlens_cpu=None) -> VarlenChunks, for chunk(..., chunk_indices=)",
     ]
-    sections = [emit_recurrent_section(stages["step"]), emit_chunk_section(plans, _positional(rec))]
+    sections = [emit_recurrent_section(stages["step"], rec),
+                emit_chunk_section(plans, _positional(rec), rec.steps_per_token)]
+    if rec.steps_per_token > 1:
+        sections.append(emit_steps_section(rec, stages["substeps"]))
     sections.append(render(
         "custom_ops.py.jinja",
         namespace=f"lrdsl_{rec.name}_{OPS_KEY_PLACEHOLDER}",
@@ -128,6 +145,7 @@ def emit_module(stages: dict, spec_path: str) -> str:
         host_helpers=host_code("helpers"),
         checks=host_code("checks"),
         sections="\n\n".join(sections),
+        steps=rec.steps_per_token,
     )
     ops_key = hashlib.sha256(source.encode()).hexdigest()[:12]
     return source.replace(OPS_KEY_PLACEHOLDER, ops_key)

@@ -11,6 +11,10 @@ Per value head the state S is K x V. With q_t, k_t in R^K and v_t in R^V (docs/d
 
 The delta rule is the dplr update with b_t = k_t, a_t = -beta_t D_t k_t and the write beta_t k_t v_t^T.
 
+With steps_per_token = n > 1 (Gated DeltaProduct) token t decays once, then takes n update steps
+j = 0 .. n-1, each with its own k, v and step inputs, and is read once after the last:
+q [B, T, H, K], k [B, T*n, H, K], v [B, T*n, HV, V], o [B, T, HV, V] (step j of token t is row t*n + j).
+
 q, k, v are implicit inputs; `inputs` lists the spec's further inputs in positional order.
 """
 from __future__ import annotations
@@ -84,6 +88,7 @@ class Recurrence:
     # dplr only: the low-rank term b_t (a_t^T S_{t-1}), a_t and b_t K-vectors (per key channel)
     low_rank_read: sympy.Expr | None = None  # a_t
     low_rank_write: sympy.Expr | None = None  # b_t
+    steps_per_token: int = 1  # update steps per token, after one decay (Gated DeltaProduct's n)
 
     @property
     def is_delta(self) -> bool:
@@ -128,6 +133,12 @@ class Recurrence:
         used = symbols_of(expr)
         return tuple(i for i in self.inputs if i.name in used)
 
+    def rows_per_token(self, inp: Input) -> int:
+        """How many rows per token a per-token input holds: the gate's inputs one (a token decays
+        once), the other formulas' (beta, the low-rank vectors) steps_per_token, one per step."""
+        gate = {i.name for i in self.formula_inputs(self.log_decay)}
+        return 1 if inp.name in gate else self.steps_per_token
+
     def uses_head_index(self, expr: sympy.Expr | None) -> bool:
         return expr is not None and HEAD_INDEX in expr.free_symbols
 
@@ -144,14 +155,22 @@ class Recurrence:
             lines.append(f"  summary   {self.summary}")
         lines.append(f"  update    {self.update.value}")
         lines.append(f"  gate      {self.gate.value}")
-        signature = ["q[B,T,H,K]", "k[B,T,H,K]", "v[B,T,HV,V]"]
-        signature += [f"{i.name}[{','.join(i.role.shape)}]" for i in self.inputs]
+        n = self.steps_per_token
+        rows = "T" if n == 1 else f"T*{n}"
+        signature = ["q[B,T,H,K]", f"k[B,{rows},H,K]", f"v[B,{rows},HV,V]"]
+        signature += [f"{i.name}[{','.join(self._shape_text(i))}]" for i in self.inputs]
         lines.append(f"  inputs    {', '.join(signature)}")
         lines.append(f"  log_decay {self.log_decay if self.log_decay is not None else '0 (no decay)'}")
         lines.append(f"  beta      {self.beta if self.beta is not None else '1'}")
+        if n > 1:
+            lines.append(f"  steps     {n} per token (one decay, {n} update steps, one read-out)")
         if self.has_low_rank:
             lines.append(f"  low_rank  b_t (a_t^T S_(t-1)),  a_t = {self.low_rank_read},  b_t = {self.low_rank_write}")
         return "\n".join(lines)
+
+    def _shape_text(self, inp: Input) -> tuple[str, ...]:
+        rows = self.rows_per_token(inp)
+        return tuple(f"T*{rows}" if d == "T" and rows > 1 else d for d in inp.role.shape)
 
     def fingerprint(self) -> str:
         """Exact text identity of this IR (formulas as sympy trees), for cache keys."""

@@ -104,6 +104,9 @@ def canonicalize(spec: Spec) -> Recurrence:
             "(the log-decay must be <= 0)",
         )
 
+    if spec.steps_per_token > 1:
+        _check_steps(spec, log_decay, [f for f in formulas if f is not log_decay], reads)
+
     used = set()
     for formula in formulas:
         used |= {str(s) for s in formula.expr.free_symbols}
@@ -121,7 +124,31 @@ def canonicalize(spec: Spec) -> Recurrence:
         summary=spec.summary,
         low_rank_read=sympy.sympify(low_rank[0].expr) if low_rank[0] is not None else None,
         low_rank_write=sympy.sympify(low_rank[1].expr) if low_rank[1] is not None else None,
+        steps_per_token=spec.steps_per_token,
     )
+
+
+def _check_steps(spec: Spec, log_decay, step_formulas, reads) -> None:
+    """steps_per_token > 1: a token decays once and steps n times, so a per-token input lives at one
+    rate, one row per token (read by the gate) or one per step (read by beta or the low-rank
+    vectors), never both; a constant gate has no per-token rate to give its decay to step 0."""
+    if spec.gate is GateKind.CONSTANT:
+        raise spec.error(
+            "recurrence.steps_per_token",
+            "a constant gate decays at every step, but a token with several steps decays once; "
+            "use gate = 'scalar' with a per-token input, or steps_per_token = 1",
+        )
+    if log_decay is None:
+        return
+    gate_inputs = set(reads(log_decay, lambda r: r.per_token))
+    for formula in step_formulas:
+        shared = sorted(gate_inputs & set(reads(formula, lambda r: r.per_token)))
+        if shared:
+            raise spec.error(
+                f"inputs.{shared[0]}",
+                f"read by formulas.log_decay (one row per token) and formulas.{formula.key} (one row per step, "
+                f"steps_per_token = {spec.steps_per_token}); declare one input for each",
+            )
 
 
 def _check_low_rank(spec: Spec, low_rank, reads) -> None:

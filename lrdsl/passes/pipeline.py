@@ -19,6 +19,7 @@ from .autodiff import autodiff
 from .derive_chunk import derive_chunk
 from .derive_step import derive_step
 from .factor_scalars import factor_scalars
+from .lower_steps import lower_steps
 from .plan import plan_kernels
 from .save_policy import choose_saved
 from .stage_graph import build_stage_graph
@@ -39,8 +40,9 @@ class Pass:
 
 PASSES: tuple[Pass, ...] = (
     Pass("recurrence", "spec", canonicalize, "first: every later pass reads the strict IR, never the forgiving spec"),
-    Pass("step", "recurrence", derive_step, "the recurrent kernel needs only the recurrence, so it is lowered straight from it"),
-    Pass("chunk", "recurrence", derive_chunk, "the chunkwise form also follows from the recurrence alone"),
+    Pass("substeps", "recurrence", lower_steps, "before any kernel form: several steps per token become ordinary sub-step rows, so every later pass and kernel serves them unchanged"),
+    Pass("step", "substeps", derive_step, "the recurrent kernel needs only the recurrence, so it is lowered straight from it"),
+    Pass("chunk", "substeps", derive_chunk, "the chunkwise form also follows from the recurrence alone"),
     Pass("stages", "chunk", build_stage_graph, "phases need the whole chunk program: what reads the entry state, what leads to the exit"),
     Pass("plan", "stages", plan_kernels, "grouping into kernels needs the phases and which values are costly to recompute"),
     Pass("backward", "plan", autodiff, "after planning: the backward reads back what the forward plans store instead of recomputing it"),

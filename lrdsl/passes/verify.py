@@ -98,6 +98,7 @@ def verify_recurrence(rec: Recurrence) -> None:
 def verify_step_program(prog: StepProgram) -> None:
     rec = prog.recurrence
     verify_recurrence(rec)
+    _require(rec.steps_per_token == 1, f"{rec.name}: a step program takes one step per row (lower_steps comes first)")
     defined = {"S"}
     for where, ops in (("prologue", prog.prologue), ("body", prog.body)):
         for index, op in enumerate(ops):

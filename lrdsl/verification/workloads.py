@@ -38,7 +38,8 @@ def make_inputs(
     normalize_keys: bool | None = None,
     gate_low: float = -0.5,
 ):
-    """q, k, v and the spec's inputs, as a list in positional order.
+    """q, k, v and the spec's inputs, as a list in positional order (with steps_per_token = n,
+    k, v and the inputs of the steps hold T * n rows).
 
     Keys are unit-normalised for delta rules (unless told otherwise) so the recurrence stays
     stable without in-kernel L2 norm. An input that *is* the log-decay (formula `g`) is drawn in
@@ -57,24 +58,25 @@ def make_inputs(
 
     if normalize_keys is None:
         normalize_keys = rec.is_delta
+    rows = T * rec.steps_per_token  # k, v and the inputs of the steps: one row per step
     q = randn(B, T, H, K)
-    k = randn(B, T, H, K)
+    k = randn(B, rows, H, K)
     if normalize_keys:
         k = F.normalize(k, dim=-1)
-    v = randn(B, T, HV, V)
-    sizes = {"B": B, "T": T, "HV": HV, "K": K}
+    v = randn(B, rows, HV, V)
+    sizes = {"B": B, "HV": HV, "K": K}
     pair = _low_rank_pair(rec)
-    direction = F.normalize(randn(B, T, HV, K), dim=-1) if pair else None
+    direction = F.normalize(randn(B, rows, HV, K), dim=-1) if pair else None
     extras = []
     for inp in rec.inputs:
-        size = [sizes[d] for d in inp.role.shape]
+        size = [T * rec.rows_per_token(inp) if d == "T" else sizes[d] for d in inp.role.shape]
         symbol = sympy.Symbol(inp.name)
         if rec.log_decay == symbol:
             x = gate_low * rand(*size)
         elif rec.beta == symbol:
             x = rand(*size)
         elif pair and inp.name == pair[0]:  # a = -eta u
-            x = -rand(B, T, HV, 1) * direction
+            x = -rand(B, rows, HV, 1) * direction
         elif pair and inp.name == pair[1]:  # b = u
             x = direction.clone()
         else:
