@@ -397,3 +397,44 @@ def test_calls_without_gradients_do_not_synchronise_gpu(mode, generator):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     check_against_oracle(rec, tensors, [x.cpu() for x in out], cu_seqlens=cu_cpu)
+
+
+# -- 16-bit inputs at K <= 16 on a GPU take chunks of at most 32 -----------------------------------
+# At K = V = 16, C = 64, bf16, Triton 3.6.0 miscompiled gdn's backward output kernel on an H100 (an
+# out-of-range shared-memory access; d_q, d_k, d_g 0.5-0.7 off where it did not fault). The module
+# caps the chunk size there for every spec (NARROW_K_LARGEST_CHUNK_SIZE).
+
+@pytest.mark.parametrize("name", ["gdn", "kda", "simple_gla", "gated_deltaproduct"])
+def test_narrow_keys_in_16_bits_take_chunks_of_at_most_32(name):
+    """Meta tensors stand for a GPU's (the module reads their dtype as a GPU call would): the
+    default chunk size and the largest are 32 at K <= 16 in bf16 and fp16, unchanged at K = 32 and
+    for fp32 inputs and in the interpreter; under torch.compile a larger one is refused in one line."""
+    mod = module(name)
+    for K, dtype, expected in ((16, torch.bfloat16, 32), (8, torch.float16, 32), (32, torch.bfloat16, None),
+                               (16, torch.float32, None)):
+        q = torch.empty(1, 4, 1, K, dtype=dtype, device="meta")
+        unchanged = mod.largest_chunk_size(K, "input", None)  # the interpreter's
+        largest = mod._largest_chunk_size(q, K, "input")
+        assert largest == (min(expected, unchanged) if expected else mod.largest_chunk_size(K, "input", dtype))
+        assert mod._default_chunk_size("chunk", q, K, "input", mod.DEFAULT_CHUNK_PLAN) <= largest
+        if expected and unchanged > expected:
+            with pytest.raises(mod.InputError, match=r"chunk_size must be one of \(16, 32, 64\) and at most 32"):
+                mod._fake_chunk_options(q, 64, mod.DEFAULT_CHUNK_PLAN, "input")
+    cpu = torch.empty(1, 4, 1, 16, dtype=torch.bfloat16)
+    assert mod._largest_chunk_size(cpu, 16, "input") == mod.largest_chunk_size(16, "input", None)
+
+
+@pytest.mark.gpu
+def test_gpu_narrow_keys_in_bf16_default_to_32_and_refuse_64(generator):
+    """gdn at K = V = 16 in bf16 on a GPU: chunk_size=64 refused in one line; the default call's
+    outputs and gradients against the float64 oracle."""
+    from oracle_checks import Call, assert_errors, oracle_errors
+    rec, mod = recurrence("gdn"), module("gdn")
+    shape = Shape(1, 70, 1, 2, 16, 16)
+    tensors = make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator)
+    with pytest.raises(mod.InputError, match=r"^gdn.chunk: chunk_size=64 with K=16 and torch.bfloat16 inputs on a GPU: "
+                                             r"Triton 3.6 miscompiles the backward .* use chunk_size <= 32$"):
+        mod.chunk(*[t.cuda() for t in tensors], chunk_size=64)
+    errors = oracle_errors(rec, mod, Call(shape, h0=True, dht=True), generator, "chunk", tensors=tensors, device="cuda")
+    assert_errors({k: errors[k] for k in ("o", "ht", "d_q", "d_k", "d_v", "d_h0")}, TOLERANCE[torch.bfloat16],
+                  "gdn K = 16 bf16 at the default chunk size")

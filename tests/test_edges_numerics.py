@@ -61,7 +61,9 @@ def reset_case(name, pattern, g, generator, dtype=torch.float32, device="cpu", g
         pytest.skip("a = +inf is a non-finite input, not a reset")
     tensors = make_inputs(rec, SHAPE, dtype=dtype, generator=generator)
     tensors = with_resets(rec, tensors, PATTERNS[pattern](SHAPE.T, generator), g, generator)
-    options.setdefault("chunk_size", 32 if rec.has_low_rank else 64)
+    # the largest chunk the call may take: on a GPU 16-bit inputs at K = 16 take at most 32
+    largest = mod.largest_chunk_size(SHAPE.K, dtype=None if device == "cpu" else dtype)
+    options.setdefault("chunk_size", min(32 if rec.has_low_rank else 64, largest))
     call = Call(SHAPE, h0=True, dht=gradients)
     return oracle_errors(rec, mod, call, generator, "chunk", gradients=gradients, tensors=tensors, device=device,
                          **options)
