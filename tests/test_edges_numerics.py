@@ -26,7 +26,7 @@ from helpers import module, recurrence
 from oracle_checks import Call, assert_errors, causality_errors, oracle_errors
 
 LIMIT = TOLERANCE[torch.float32]
-RESET_SPECS = ("gdn", "kda", "simple_gla", "rwkv7", "gdn_qwen35")
+RESET_SPECS = ("gdn", "kda", "simple_gla", "rwkv7", "gdn_qwen35", "gated_deltaproduct")
 SHAPE = Shape(1, 70, 1, 2, 16, 16)  # a chunk of 64 and a short one (rwkv7: 32, 32, 6)
 # where the resets go: one token inside the first chunk, a run of tokens, or 30 % of all tokens
 PATTERNS = {"one": lambda T, gen: torch.arange(T) == 37,

@@ -18,7 +18,7 @@ from sympy.printing.precedence import PRECEDENCE
 from sympy.printing.str import StrPrinter
 
 from ..errors import CompileError
-from ..ir.formula import integer_exponent, is_nonnegative, logsigmoid, sigmoid, softplus
+from ..ir.formula import integer_exponent, is_nonnegative, logsigmoid, selected, sigmoid, softplus
 
 # x**n with |n| up to this prints as n factors; larger powers by repeated squaring
 SHORT_POWER = 4
@@ -128,6 +128,9 @@ class TritonPrinter(StrPrinter):
             return f"tl.sigmoid({self._print(expr.args[0])})"
         if isinstance(expr, logsigmoid):
             return f"logsigmoid({self._print(expr.args[0])})"
+        if isinstance(expr, selected):
+            mask, x = expr.args
+            return f"tl.where({self._print(mask)} != 0, {self._print(x)}, 0.0)"
         raise KeyError(f"no Triton form for function {type(expr).__name__}")
 
     def _print_Pow(self, expr, rational=False):

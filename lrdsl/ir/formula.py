@@ -77,6 +77,22 @@ class tanh(sympy.tanh):
         return 4 * sigmoid(2 * self.args[0]) * sigmoid(-2 * self.args[0])
 
 
+class selected(sympy.Function):
+    """selected(s, x): x where s != 0, else 0. Internal (no spec calls it): lower_steps confines a
+    log-decay to a token's first sub-step with it. Not s * x: a hard reset's x = -inf times s = 0 is
+    NaN, where the sub-step must decay by exactly nothing. Its derivative in x is selected(s, 1),
+    so the gradient of an unselected row is 0 whatever x's derivative there; s is a 0/1 mask with
+    no gradient."""
+
+    def fdiff(self, argindex=1):
+        if argindex == 1:
+            return sympy.Integer(0)
+        return selected(self.args[0], sympy.Integer(1))
+
+    def _eval_is_real(self):
+        return self.args[1].is_real
+
+
 def _evalf(fn: sympy.Function, prec: int, elementary):
     """evalf of one of the functions above: a number at a number (through its elementary form),
     else the function of its argument's evalf (constants inside fold, the function stays)."""
@@ -277,6 +293,7 @@ def torch_function(expr: sympy.Expr):
         "softplus": F.softplus,
         "sigmoid": torch.sigmoid,
         "logsigmoid": F.logsigmoid,
+        "selected": lambda s, x: torch.where(torch.as_tensor(s) != 0, x, torch.zeros_like(torch.as_tensor(x))),
     }
     symbols = sorted(expr.free_symbols, key=str)
     fn = sympy.lambdify(symbols, fold_constants(expr), modules=[functions, "math"])

@@ -3,9 +3,10 @@
 Token t of Gated DeltaProduct decays once, takes n update steps and is read once. That is n
 consecutive rows ("sub-steps") t*n + j of an ordinary recurrence in which
 
-- the decay applies at sub-step 0 only: its log-decay is multiplied by a per-row input
-  STEP_GATE, 1 at sub-step 0 and 0 at the others (exp(0 * g) = 1: no decay), and the gate's own
-  per-token inputs are repeated over the n rows (any finite value would do: it is multiplied by 0);
+- the decay applies at sub-step 0 only: its log-decay is selected by a per-row input STEP_GATE,
+  1 at sub-step 0 and 0 at the others, where it is 0 (exp(0) = 1: no decay) whatever the formula
+  gives there (`selected`, not a product: a hard reset's -inf times 0 would be NaN), and the
+  gate's own per-token inputs are repeated over the n rows;
 - q is read at the last sub-step only, the output row of token t is that sub-step's;
 - k, v and the inputs of beta and the low-rank vectors are one row per sub-step already.
 
@@ -22,6 +23,7 @@ from dataclasses import replace
 
 import sympy
 
+from ..ir.formula import selected
 from ..ir.recurrence import Input, InputRole, Recurrence
 
 # The per-row factor of the log-decay: 1 at a token's first sub-step, 0 at the others. A name
@@ -38,6 +40,6 @@ def lower_steps(rec: Recurrence) -> Recurrence:
     return replace(
         rec,
         inputs=rec.inputs + (gate,),
-        log_decay=sympy.Symbol(STEP_GATE) * rec.log_decay,
+        log_decay=selected(sympy.Symbol(STEP_GATE), rec.log_decay),
         steps_per_token=1,
     )
