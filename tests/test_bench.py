@@ -255,6 +255,8 @@ def test_specs_without_an_fla_counterpart_are_recognised():
     assert bench.fla_baseline(recurrence("linear_attn")) is None
     assert bench.fla_baseline(recurrence("kda_neg_eigval")) is None  # beta = 2 sigmoid(b): FLA takes beta
     assert bench.fla_baseline(recurrence("kda_fused_gate")) is None
+    # gdn's recurrence with two steps per token: not chunk_gated_delta_rule's (k of T * 2 rows)
+    assert bench.fla_baseline(recurrence("gated_deltaproduct")) is None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), FakeFla().importer) is not None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), _no_fla) is None
 

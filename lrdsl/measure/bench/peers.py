@@ -191,6 +191,10 @@ def _formula_names(text: str) -> set[str]:
 
 def fla_baseline(rec: Recurrence) -> FlaBaseline | None:
     """The FLA counterpart of this recurrence, or None (no match, or inputs FLA cannot take)."""
+    if rec.steps_per_token > 1:
+        # k, v and beta of several steps per token: none of the functions above takes them (FLA's
+        # chunk_gated_delta_product has no recurrent counterpart for the decode rows)
+        return None
     for baseline in FLA_BASELINES.get((rec.gate.value, rec.update.value, rec.has_beta), ()):
         if all(input_parameters(rec, f) is not None for f in (baseline.chunk, baseline.recurrent)):
             return baseline
