@@ -158,8 +158,13 @@ ROLES_FOR = {  # roles a gate's formula and beta may read
 
 
 @st.composite
-def valid_specs(draw) -> FuzzSpec:
+def valid_specs(draw, delta_vectors: bool = False) -> FuzzSpec:
+    """A valid spec; with `delta_vectors`, a delta rule with a read vector, a written value or both
+    (and perhaps a token_value input). Without, the draws are those the fuzzer made before these
+    keys existed, so the fixed CI samples of the tests that use it stay what they were."""
     update = draw(st.sampled_from(["delta", "plain", "dplr"]))
+    if delta_vectors:
+        update = "delta"
     # dplr decays per key channel (the lowering refuses any other gate)
     gate = "key_channel" if update == "dplr" else draw(st.sampled_from(["none", "scalar", "constant", "key_channel"]))
     names = draw(st.lists(input_names(), min_size=1, max_size=4, unique=True))
@@ -172,7 +177,7 @@ def valid_specs(draw) -> FuzzSpec:
         roles[names[0]] = "token_key"
     per_key = {n for n, r in roles.items() if r in ("token_key", "head_key")}
     per_token = {n for n, r in roles.items() if r in ("token", "token_key")}
-    if update == "delta" and draw(st.booleans()):  # a V-vector input, for the written value only
+    if delta_vectors and draw(st.booleans()):  # a V-vector input, for the written value only
         value_name = draw(input_names().filter(lambda n: n not in roles))
         roles[value_name] = "token_value"
 
@@ -197,12 +202,12 @@ def valid_specs(draw) -> FuzzSpec:
             f"({draw(formulas(names))}) + {draw(st.sampled_from(sorted(per_key)))}") for _ in range(2))
 
     delta_read = write_value = None
-    if update == "delta" and draw(st.booleans()):  # the read vector: k and any input but a V-vector
+    if delta_vectors and draw(st.booleans()):  # the read vector: k and any input but a V-vector
         leaves = [n for n in names if n in roles and roles[n] != "token_value"] + ["k"]
         delta_read = draw(st.sampled_from(DELTA_READ_WRAPPERS)).format(f"({draw(formulas(leaves))})")
         assume("k" in _reads(delta_read, names))  # sympy may cancel k: k - k
     value_inputs = [n for n, r in roles.items() if r == "token_value"]
-    if update == "delta" and (value_inputs or draw(st.booleans())):  # the written value
+    if delta_vectors and (value_inputs or delta_read is None or draw(st.booleans())):  # the written value
         leaves = [n for n in roles if roles[n] not in ("token_key", "head_key")] + ["v"]
         body = draw(formulas(leaves)) + "".join(f" + {n}" for n in value_inputs)  # it reads the V-vector input
         write_value = draw(st.sampled_from(WRITE_VALUE_WRAPPERS)).format(f"({body})")
@@ -459,6 +464,18 @@ def test_valid_specs_match_the_oracle(spec, case, edge, tmp_path, generator, dev
     assert_errors(errors(case.gradient_kernel, True, **options), LIMIT, f"gradients of {case.gradient_kernel} {options}")
 
 
+DELTA_VECTOR_EXAMPLES = 3  # per CI run (about 12 s each on the CPU); LRDSL_FUZZ_EXAMPLES=N for more
+
+
+@fuzz_settings(DELTA_VECTOR_EXAMPLES)
+@given(spec=valid_specs(delta_vectors=True), case=cases(), edge=edges())
+def test_valid_delta_vector_specs_match_the_oracle(spec, case, edge, tmp_path, generator, device):
+    """The same checks on delta rules with a read vector (formulas.delta_read, of k and the inputs),
+    a written value (formulas.write_value, of v, token_value inputs and others) or both: a sample
+    of their own, so test_valid_specs_match_the_oracle keeps its fixed one."""
+    test_valid_specs_match_the_oracle.hypothesis.inner_test(spec, case, edge, tmp_path, generator, device)
+
+
 # -- invalid specs ---------------------------------------------------------------------------------
 
 RESERVED = sorted({n for n, _ in CHUNK_OPTIONS} | {"q", "k", "v", "h", "_x", "class", "lambda"} | set(FUNCTIONS))
@@ -478,7 +495,9 @@ def _formula_key(doc, draw) -> str:
 
 
 def break_spec(doc: dict, kind: str, draw) -> str:
-    """Break `doc` in place one way; returns the key the error must name."""
+    """Break `doc` in place one way; returns the key the error must name. A term that breaks a
+    formula is added to it, not multiplied: a drawn formula may be 0 (x - x), and 0 * sigmoid(z)
+    would cancel the term, leaving its input unread instead."""
     formulas, recurrence, inputs = doc["formulas"], doc["recurrence"], doc["inputs"]
     if kind == "unknown_key":
         table = draw(st.sampled_from(["", "recurrence", "formulas"]))
@@ -518,7 +537,7 @@ def break_spec(doc: dict, kind: str, draw) -> str:
     if kind == "non_real_power":
         x = _some_input(doc)
         exponent = draw(st.sampled_from(["0.5", "1.5", "(1/3)", "(-0.5)"]))
-        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid({x}**{exponent})"
+        formulas["beta"] = f"({formulas.get('beta', '1')}) + sigmoid({x}**{exponent})"
         return "formulas.beta"
     if kind == "growing_decay":
         recurrence["gate"] = "constant"
@@ -535,11 +554,11 @@ def break_spec(doc: dict, kind: str, draw) -> str:
                 inputs[name] = "token"
         return "formulas.log_decay"
     if kind == "head_index_outside_constant_gate":
-        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid(h)"
+        formulas["beta"] = f"({formulas.get('beta', '1')}) + sigmoid(h)"
         return "formulas.beta"
     if kind == "per_key_beta":
         inputs["zz_key"] = "token_key"
-        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid(zz_key)"
+        formulas["beta"] = f"({formulas.get('beta', '1')}) + sigmoid(zz_key)"
         return "formulas.beta"
     if kind == "constant_gate_reads_a_token":
         recurrence["gate"] = "constant"
@@ -568,7 +587,7 @@ def break_spec(doc: dict, kind: str, draw) -> str:
         vector = draw(st.sampled_from(["k", "v", "zz_value"]))
         if vector == "zz_value":
             inputs["zz_value"] = "token_value"
-        formulas[key] = f"({formulas.get(key, '1')}) * sigmoid({vector})"
+        formulas[key] = f"({formulas.get(key, '1')}) + sigmoid({vector})"
         return f"formulas.{key}"
     raise AssertionError(kind)
 
@@ -597,7 +616,7 @@ def key_line(text: str, dotted: str) -> int | None:
 
 
 @fuzz_settings(INVALID_EXAMPLES)
-@given(spec=valid_specs(), kind=st.sampled_from(BREAKS), data=st.data())
+@given(spec=st.one_of(valid_specs(), valid_specs(delta_vectors=True)), kind=st.sampled_from(BREAKS), data=st.data())
 def test_invalid_specs_get_one_line_errors(spec, kind, data, tmp_path):
     path = tmp_path / "broken.toml"
     path.write_text(toml_text(spec.document()))
@@ -699,6 +718,6 @@ def test_the_fuzzer_draws_the_delta_rules_read_vector_and_written_value():
     inputs (which only write_value may read)."""
     from hypothesis import find
 
-    spec = find(valid_specs(), lambda s: s.delta_read is not None and any(r == "token_value" for _, r in s.inputs),
+    spec = find(valid_specs(delta_vectors=True), lambda s: s.delta_read is not None and any(r == "token_value" for _, r in s.inputs),
                 settings=settings(database=None, max_examples=2000, suppress_health_check=list(HealthCheck)))
     assert spec.update == "delta" and spec.write_value is not None and "v" in spec.write_value
