@@ -1,5 +1,7 @@
 """The float64 oracle: any recurrence, token by token, exactly as docs/design.md §1 writes it
-(the dplr update as S_t = D_t S_{t-1} + k_t (beta_t v_t)^T + b_t (a_t^T S_{t-1})).
+(the dplr update as S_t = D_t S_{t-1} + k_t (beta_t v_t)^T + b_t (a_t^T S_{t-1}); the delta update
+as u_t = beta_t (x_t - S'^T r_t), S_t = S' + k_t u_t^T, with r_t = k_t and x_t = v_t unless the
+spec gives formulas.delta_read / formulas.write_value).
 
 It is the reference of every numeric test, so it is written to be read, not to be fast: GVA by
 repeating q/k, one Python loop over tokens, one einsum per term. It is differentiable (no
@@ -36,7 +38,9 @@ def _as_recurrence(rec) -> Recurrence:
 
 
 def evaluate_formula(expr, named: dict[str, torch.Tensor], roles: dict[str, InputRole], HV: int, per_key: bool, device="cpu"):
-    """Evaluate a formula in float64, broadcasting every input to [B, T, HV] (or [B, T, HV, K])."""
+    """Evaluate a formula in float64, broadcasting every input to [B, T, HV] (or [B, T, HV, K],
+    or [B, T, HV, V] for a formula of v and token_value inputs: pass per_key=True for those too,
+    it adds the last axis to per-token scalars). `named` may hold k and v ([B, T, HV, *])."""
     symbols, fn = torch_function(expr)
     values = []
     for s in symbols:
@@ -86,6 +90,8 @@ def run(
 
     named = {i.name: x for i, x in zip(rec.inputs, inputs)}
     roles = {i.name: i.role for i in rec.inputs}
+    named.update(k=k, v=v)  # what delta_read and write_value may read (k after the L2 norm)
+    roles.update(k=InputRole.TOKEN_KEY, v=InputRole.TOKEN_VALUE)
     per_key = rec.gate is GateKind.KEY_CHANNEL
     if rec.has_gate:
         g = evaluate_formula(rec.log_decay, named, roles, HV, per_key, q.device).to(q.device)
@@ -95,6 +101,12 @@ def run(
     if rec.has_low_rank:  # a_t, b_t: [B, T * steps, HV, K]
         a = evaluate_formula(rec.low_rank_read, named, roles, HV, True, q.device).to(q.device).expand(B, T * steps, HV, K)
         b_write = evaluate_formula(rec.low_rank_write, named, roles, HV, True, q.device).to(q.device).expand(B, T * steps, HV, K)
+    delta_read = k  # r_t: what the delta rule reads the state with (a row per step)
+    if rec.delta_read is not None:
+        delta_read = evaluate_formula(rec.delta_read, named, roles, HV, True, q.device).to(q.device).expand(B, T * steps, HV, K)
+    write_value = v  # x_t: the value the delta rule writes (a row per step)
+    if rec.write_value is not None:
+        write_value = evaluate_formula(rec.write_value, named, roles, HV, True, q.device).to(q.device).expand(B, T * steps, HV, V)
 
     if cu_seqlens is None:
         sequences = [(b, 0, T) for b in range(B)]
@@ -116,8 +128,8 @@ def run(
             elif rec.has_gate and j == 0:
                 S = torch.exp(g[b, t])[:, None, None] * S  # exp(g_t) S
             if rec.is_delta:
-                prediction = torch.einsum("hkv,hk->hv", S, k[b, s])  # S'^T k_t
-                u = v[b, s] - prediction
+                prediction = torch.einsum("hkv,hk->hv", S, delta_read[b, s])  # S'^T r_t
+                u = write_value[b, s] - prediction  # x_t - S'^T r_t
             else:
                 u = v[b, s]
             if rec.has_beta:

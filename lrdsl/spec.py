@@ -14,11 +14,11 @@ from pathlib import Path
 from .codegen.names import reserved_input_name
 from .errors import SpecError
 from .ir.formula import FormulaSyntaxError, parse_formula
-from .ir.recurrence import GateKind, InputRole, UpdateRule
+from .ir.recurrence import TOKEN_VECTORS, GateKind, InputRole, UpdateRule
 
 TOP_LEVEL_KEYS = ("name", "summary", "recurrence", "inputs", "formulas")
 RECURRENCE_KEYS = ("update", "gate", "steps_per_token")
-FORMULA_KEYS = ("log_decay", "beta", "low_rank_read", "low_rank_write")
+FORMULA_KEYS = ("log_decay", "beta", "low_rank_read", "low_rank_write", "delta_read", "write_value")
 
 # Spellings users reach for, mapped to the canonical values.
 GATE_ALIASES = {
@@ -44,6 +44,7 @@ ROLE_ALIASES = {
     "token_key": InputRole.TOKEN_KEY,
     "head": InputRole.HEAD,
     "head_key": InputRole.HEAD_KEY,
+    "token_value": InputRole.TOKEN_VALUE,
 }
 
 
@@ -145,7 +146,8 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     if not isinstance(formulas_table, dict):
         raise fail("formulas", f"expected a table, got {_type_name(formulas_table)}")
     _reject_unknown(formulas_table, FORMULA_KEYS, "formulas.", fail)
-    declared = {n for n, _ in inputs}
+    # k and v parse in every formula; canonicalize says which formula may read them
+    declared = {n for n, _ in inputs} | set(TOKEN_VECTORS)
     formulas = {}
     for key_, text_ in formulas_table.items():
         key = f"formulas.{key_}"

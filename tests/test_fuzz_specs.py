@@ -2,7 +2,9 @@
 in one line.
 
 Valid specs: every update rule (the dplr one with low-rank vectors kept small enough that the
-state cannot grow far: RWKV-7 normalises them, a formula cannot), every gate kind, every input role, input names drawn from the
+state cannot grow far: RWKV-7 normalises them, a formula cannot; the delta rule with a read vector
+of k and the inputs and a written value of v, token_value inputs and the others, or without), every
+gate kind, every input role, input names drawn from the
 names generated code uses and at random, formulas from the whole grammar (every function, integer
 powers of negative values up to x**7 and x**(-5), integral float exponents, fractional powers of
 bases that cannot be negative, negative constants and constant bases, the head index in constant
@@ -40,6 +42,7 @@ import lrdsl
 from lrdsl import config
 from lrdsl.codegen.names import CHUNK_OPTIONS, reserved_input_name
 from lrdsl.errors import SpecError
+from lrdsl.ir.recurrence import InputRole
 from lrdsl.ir.formula import FUNCTIONS, HEAD_INDEX, FormulaSyntaxError, parse_formula
 from lrdsl.passes.pipeline import run_pipeline
 from lrdsl.reference import evaluate_formula
@@ -118,6 +121,11 @@ DELTA_BETA_WRAPPERS = ["sigmoid({})", "(2 * sigmoid({}))", "(1 + tanh({}))", "{}
 PLAIN_BETA_WRAPPERS = ["{}", "sigmoid({})"]
 # the dplr update's a_t, b_t: every entry within 0.1, so |a_t| |b_t| <= 0.01 K (in_range bounds the growth)
 LOW_RANK_WRAPPERS = ["(0.1 * tanh({}))", "(0.1 * sigmoid({}))", "(-0.1 * sigmoid({}))"]
+# the delta rule's read vector r_t: k scaled channel by channel into [0, 1] (plus a small vector),
+# so I - beta_t k_t r_t^T stays near a contraction (in_range bounds the growth)
+DELTA_READ_WRAPPERS = ["(k * sigmoid({}))", "(0.5 * k + 0.05 * tanh({}))", "(k * (1 + tanh({})) / 2)"]
+# the written value x_t: v gated, shifted or scaled by a formula
+WRITE_VALUE_WRAPPERS = ["(v * sigmoid({}))", "(v + tanh({}))", "(v * {})"]
 
 
 RESET_INPUT = "hard_reset"  # read only by the reset term: driving it changes nothing else
@@ -132,11 +140,14 @@ class FuzzSpec:
     beta: str | None
     low_rank: tuple[str, str] | None = None  # dplr: (low_rank_read, low_rank_write)
     reset: str | None = None  # the per-token input r of a reset term - r**2 in the log-decay
+    delta_read: str | None = None  # delta: r_t, a formula of k and inputs
+    write_value: str | None = None  # delta: x_t, a formula of v, token_value inputs and per-token/per-head ones
     steps: int = 1  # recurrence.steps_per_token
 
     def document(self) -> dict:
         pairs = (("log_decay", self.log_decay), ("beta", self.beta)) + tuple(zip(("low_rank_read", "low_rank_write"),
                                                                                    self.low_rank or ()))
+        pairs += (("delta_read", self.delta_read), ("write_value", self.write_value))
         formulas = {k: v for k, v in pairs if v is not None}
         recurrence = {"update": self.update, "gate": self.gate}
         if self.steps > 1:
@@ -153,8 +164,13 @@ ROLES_FOR = {  # roles a gate's formula and beta may read
 
 
 @st.composite
-def valid_specs(draw) -> FuzzSpec:
+def valid_specs(draw, delta_vectors: bool = False) -> FuzzSpec:
+    """A valid spec; with `delta_vectors`, a delta rule with a read vector, a written value or both
+    (and perhaps a token_value input). Without, the draws are those the fuzzer made before these
+    keys existed, so the fixed CI samples of the tests that use it stay what they were."""
     update = draw(st.sampled_from(["delta", "plain", "dplr"]))
+    if delta_vectors:
+        update = "delta"
     # dplr decays per key channel (the lowering refuses any other gate)
     gate = "key_channel" if update == "dplr" else draw(st.sampled_from(["none", "scalar", "constant", "key_channel"]))
     names = draw(st.lists(input_names(), min_size=1, max_size=4, unique=True))
@@ -167,6 +183,9 @@ def valid_specs(draw) -> FuzzSpec:
         roles[names[0]] = "token_key"
     per_key = {n for n, r in roles.items() if r in ("token_key", "head_key")}
     per_token = {n for n, r in roles.items() if r in ("token", "token_key")}
+    if delta_vectors and draw(st.booleans()):  # a V-vector input, for the written value only
+        value_name = draw(input_names().filter(lambda n: n not in roles))
+        roles[value_name] = "token_value"
 
     log_decay = None
     if gate == "constant":  # per-head inputs and the head index only
@@ -188,9 +207,22 @@ def valid_specs(draw) -> FuzzSpec:
         low_rank = tuple(draw(st.sampled_from(LOW_RANK_WRAPPERS)).format(
             f"({draw(formulas(names))}) + {draw(st.sampled_from(sorted(per_key)))}") for _ in range(2))
 
+    delta_read = write_value = None
+    if delta_vectors and draw(st.booleans()):  # the read vector: k and any input but a V-vector
+        leaves = [n for n in names if n in roles and roles[n] != "token_value"] + ["k"]
+        delta_read = draw(st.sampled_from(DELTA_READ_WRAPPERS)).format(f"({draw(formulas(leaves))})")
+        assume("k" in _reads(delta_read, names))  # sympy may cancel k: k - k
+    value_inputs = [n for n, r in roles.items() if r == "token_value"]
+    if delta_vectors and (value_inputs or delta_read is None or draw(st.booleans())):  # the written value
+        leaves = [n for n in roles if roles[n] not in ("token_key", "head_key")] + ["v"]
+        body = draw(formulas(leaves)) + "".join(f" + {n}" for n in value_inputs)  # it reads the V-vector input
+        write_value = draw(st.sampled_from(WRITE_VALUE_WRAPPERS)).format(f"({body})")
+        assume("v" in _reads(write_value, roles))
+    names = list(roles)  # the V-vector input too, last
+
     # declare exactly the inputs the (parsed) formulas read, in the drawn order
     used = set()
-    for text in (log_decay, beta, *(low_rank or ())):
+    for text in (log_decay, beta, *(low_rank or ()), delta_read, write_value):
         if text is not None:
             used |= _reads(text, names)
     if log_decay is not None:  # sympy may cancel the inputs a gate must read: x - x
@@ -210,11 +242,12 @@ def valid_specs(draw) -> FuzzSpec:
     # per-token input read both by the gate (one row per token) and by the steps (one per step)
     steps = draw(st.sampled_from([1, 1, 2, 3]))
     declared = [n for n, _ in inputs]
-    step_reads = set().union(*(_reads(text, declared) for text in (beta, *(low_rank or ())) if text is not None))
+    step_texts = (beta, *(low_rank or ()), delta_read, write_value)
+    step_reads = set().union(*(_reads(text, declared) for text in step_texts if text is not None))
     gate_reads = _reads(log_decay, declared) if log_decay is not None else set()
     if gate == "constant" or gate_reads & step_reads & per_token:
         steps = 1
-    return FuzzSpec(update, gate, inputs, log_decay, beta, low_rank, reset, steps)
+    return FuzzSpec(update, gate, inputs, log_decay, beta, low_rank, reset, delta_read, write_value, steps)
 
 
 def _reads(text: str, names) -> set[str]:
@@ -222,7 +255,7 @@ def _reads(text: str, names) -> set[str]:
     a constant part can fold to a non-finite number, as softplus(-64) folds to 0 in sympy (and in
     float32) and softplus(-64)**-0.5 to infinity."""
     try:
-        return {str(s) for s in parse_formula(text, set(names)).free_symbols}
+        return {str(s) for s in parse_formula(text, set(names) | {"k", "v"}).free_symbols}
     except FormulaSyntaxError:
         assume(False)
 
@@ -337,14 +370,21 @@ def in_range(rec, tensors, HV: int) -> bool:
     either 0 or above 1e-30 somewhere), the log-decay >= -40 (its
     cumulative sums run in float32), the delta rule's beta in [0, 2] (else the state grows), and
     the dplr update's low-rank term growing the state at most LOW_RANK_GROWTH-fold over a sequence
-    (the product over tokens of 1 + |a_t| |b_t| bounds it: the decay is at most 1)."""
+    (the product over tokens of 1 + |a_t| |b_t| bounds it: the decay is at most 1), and likewise
+    a delta rule with a read vector: the product over tokens of the spectral norm of
+    I - beta_t k_t r_t^T at most LOW_RANK_GROWTH."""
+    HV_over_H = HV // tensors[0].shape[2]
     named = {i.name: x.double() for i, x in zip(rec.inputs, tensors[3:])}
     roles = {i.name: i.role for i in rec.inputs}
+    named.update(k=tensors[1].double().repeat_interleave(HV_over_H, dim=2), v=tensors[2].double())
+    roles.update(k=InputRole.TOKEN_KEY, v=InputRole.TOKEN_VALUE)
     low_rank = (("low_rank_read", rec.low_rank_read), ("low_rank_write", rec.low_rank_write))
-    for key, expr in (("log_decay", rec.log_decay), ("beta", rec.beta)) + low_rank:
+    delta = (("delta_read", rec.delta_read), ("write_value", rec.write_value))
+    for key, expr in (("log_decay", rec.log_decay), ("beta", rec.beta)) + low_rank + delta:
         if expr is None:
             continue
-        per_key = key.startswith("low_rank") or key == "log_decay" and rec.is_per_key_channel(expr)
+        per_key = key.startswith("low_rank") or key in ("delta_read", "write_value") or (
+            key == "log_decay" and rec.is_per_key_channel(expr))
         for sub in sympy.preorder_traversal(expr):
             if isinstance(sub, sympy.Expr) and sub.free_symbols - {HEAD_INDEX}:
                 value = evaluate_formula(sub, named, roles, HV, per_key)
@@ -372,6 +412,16 @@ def in_range(rec, tensors, HV: int) -> bool:
         a, b = (evaluate_formula(expr, named, roles, HV, True).expand(*tensors[2].shape[:3], tensors[0].shape[-1])
                 for _, expr in low_rank)
         growth = (1 + a.norm(dim=-1) * b.norm(dim=-1)).prod(dim=1)  # [B, HV], all of T
+        if growth.max() > LOW_RANK_GROWTH:
+            return False
+    if rec.delta_read is not None:
+        B, T, _, K = tensors[0].shape
+        r = evaluate_formula(rec.delta_read, named, roles, HV, True).expand(B, T, HV, K)
+        beta = torch.ones(B, T, HV, dtype=torch.float64)
+        if rec.beta is not None:
+            beta = evaluate_formula(rec.beta, named, roles, HV, False).expand(B, T, HV)
+        step = torch.eye(K, dtype=torch.float64) - beta[..., None, None] * named["k"][..., :, None] * r[..., None, :]
+        growth = torch.linalg.matrix_norm(step, ord=2).prod(dim=1)  # [B, HV], all of T
         if growth.max() > LOW_RANK_GROWTH:
             return False
     return True
@@ -429,6 +479,18 @@ def test_valid_specs_match_the_oracle(spec, case, edge, tmp_path, generator, dev
     assert_errors(errors(case.gradient_kernel, True, **options), LIMIT, f"gradients of {case.gradient_kernel} {options}")
 
 
+DELTA_VECTOR_EXAMPLES = 3  # per CI run (about 12 s each on the CPU); LRDSL_FUZZ_EXAMPLES=N for more
+
+
+@fuzz_settings(DELTA_VECTOR_EXAMPLES)
+@given(spec=valid_specs(delta_vectors=True), case=cases(), edge=edges())
+def test_valid_delta_vector_specs_match_the_oracle(spec, case, edge, tmp_path, generator, device):
+    """The same checks on delta rules with a read vector (formulas.delta_read, of k and the inputs),
+    a written value (formulas.write_value, of v, token_value inputs and others) or both: a sample
+    of their own, so test_valid_specs_match_the_oracle keeps its fixed one."""
+    test_valid_specs_match_the_oracle.hypothesis.inner_test(spec, case, edge, tmp_path, generator, device)
+
+
 # -- invalid specs ---------------------------------------------------------------------------------
 
 RESERVED = sorted({n for n, _ in CHUNK_OPTIONS} | {"q", "k", "v", "h", "_x", "class", "lambda"} | set(FUNCTIONS))
@@ -448,7 +510,9 @@ def _formula_key(doc, draw) -> str:
 
 
 def break_spec(doc: dict, kind: str, draw) -> str:
-    """Break `doc` in place one way; returns the key the error must name."""
+    """Break `doc` in place one way; returns the key the error must name. A term that breaks a
+    formula is added to it, not multiplied: a drawn formula may be 0 (x - x), and 0 * sigmoid(z)
+    would cancel the term, leaving its input unread instead."""
     formulas, recurrence, inputs = doc["formulas"], doc["recurrence"], doc["inputs"]
     if kind == "unknown_key":
         table = draw(st.sampled_from(["", "recurrence", "formulas"]))
@@ -491,7 +555,7 @@ def break_spec(doc: dict, kind: str, draw) -> str:
     if kind == "non_real_power":
         x = _some_input(doc)
         exponent = draw(st.sampled_from(["0.5", "1.5", "(1/3)", "(-0.5)"]))
-        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid({x}**{exponent})"
+        formulas["beta"] = f"({formulas.get('beta', '1')}) + sigmoid({x}**{exponent})"
         return "formulas.beta"
     if kind == "growing_decay":
         recurrence["gate"] = "constant"
@@ -499,18 +563,20 @@ def break_spec(doc: dict, kind: str, draw) -> str:
                                                       "log(1 + 2**(-h))"]))
         if "zz_head" in formulas["log_decay"]:
             inputs["zz_head"] = "head"
-        # the inputs the old decay read may now be unread: let beta read them all
-        formulas["beta"] = " * ".join([f"sigmoid({n})" for n in inputs if n != "zz_head"] or ["0.5"])
+        # the inputs the old decay read may now be unread: let beta read them all (but the V-vectors,
+        # which only the written value may read, and reads)
+        readable = [n for n in inputs if n != "zz_head" and inputs[n] != "token_value"]
+        formulas["beta"] = " * ".join([f"sigmoid({n})" for n in readable] or ["0.5"])
         for name, role in inputs.items():
             if role in ("token_key", "head_key"):
                 inputs[name] = "token"
         return "formulas.log_decay"
     if kind == "head_index_outside_constant_gate":
-        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid(h)"
+        formulas["beta"] = f"({formulas.get('beta', '1')}) + sigmoid(h)"
         return "formulas.beta"
     if kind == "per_key_beta":
         inputs["zz_key"] = "token_key"
-        formulas["beta"] = f"({formulas.get('beta', '1')}) * sigmoid(zz_key)"
+        formulas["beta"] = f"({formulas.get('beta', '1')}) + sigmoid(zz_key)"
         return "formulas.beta"
     if kind == "constant_gate_reads_a_token":
         recurrence["gate"] = "constant"
@@ -520,12 +586,34 @@ def break_spec(doc: dict, kind: str, draw) -> str:
         recurrence["gate"] = "scalar"
         formulas["log_decay"] = "-0.5"
         return "formulas.log_decay"
+    if kind == "delta_vector_without_delta":  # a plain update (a dplr one keeps its gate and vectors)
+        if recurrence["update"] == "delta":
+            recurrence["update"] = "plain"
+        formulas.pop("delta_read", None)
+        formulas.pop("write_value", None)
+        key = draw(st.sampled_from(["delta_read", "write_value"]))
+        formulas[key] = "0.5 * k" if key == "delta_read" else "2 * v"
+        return f"formulas.{key}"
+    if kind == "write_value_without_v":  # (a delta spec)
+        formulas["write_value"] = f"sigmoid({_some_input(doc)})"
+        return "formulas.write_value"
+    if kind == "delta_read_not_per_key":  # (a delta spec)
+        formulas["delta_read"] = f"sigmoid({_some_input(doc)})"
+        return "formulas.delta_read"
+    if kind == "token_vector_outside_its_formula":
+        key = draw(st.sampled_from(["log_decay", "beta"])) if "log_decay" in formulas else "beta"
+        vector = draw(st.sampled_from(["k", "v", "zz_value"]))
+        if vector == "zz_value":
+            inputs["zz_value"] = "token_value"
+        formulas[key] = f"({formulas.get(key, '1')}) + sigmoid({vector})"
+        return f"formulas.{key}"
     raise AssertionError(kind)
 
 
 BREAKS = ["unknown_key", "bad_value", "bad_steps", "reserved_name", "bad_role", "unused_input", "formula_text", "formula_type",
           "gate_without_decay", "decay_without_gate", "non_real_power", "growing_decay",
-          "head_index_outside_constant_gate", "per_key_beta", "constant_gate_reads_a_token", "scalar_gate_reads_no_token"]
+          "head_index_outside_constant_gate", "per_key_beta", "constant_gate_reads_a_token", "scalar_gate_reads_no_token",
+          "delta_vector_without_delta", "write_value_without_v", "delta_read_not_per_key", "token_vector_outside_its_formula"]
 
 
 GATE_BREAKS = {"gate_without_decay", "decay_without_gate", "growing_decay", "constant_gate_reads_a_token",
@@ -546,7 +634,7 @@ def key_line(text: str, dotted: str) -> int | None:
 
 
 @fuzz_settings(INVALID_EXAMPLES)
-@given(spec=valid_specs(), kind=st.sampled_from(BREAKS), data=st.data())
+@given(spec=st.one_of(valid_specs(), valid_specs(delta_vectors=True)), kind=st.sampled_from(BREAKS), data=st.data())
 def test_invalid_specs_get_one_line_errors(spec, kind, data, tmp_path):
     path = tmp_path / "broken.toml"
     path.write_text(toml_text(spec.document()))
@@ -556,6 +644,8 @@ def test_invalid_specs_get_one_line_errors(spec, kind, data, tmp_path):
         kind = "unused_input"
     if spec.update == "dplr" and kind in GATE_BREAKS:  # another gate breaks dplr twice (it needs key_channel)
         kind = "unused_input"
+    if spec.update != "delta" and kind in ("write_value_without_v", "delta_read_not_per_key"):
+        kind = "delta_vector_without_delta"  # (made a delta update, a dplr spec would break twice)
     key = break_spec(doc, kind, data.draw)
     text = toml_text(doc)
     note(text)
@@ -639,3 +729,13 @@ def test_valid_specs_without_gradients_and_second_derivatives(spec, case, edge, 
     with pytest.raises(RuntimeError, match=r"second derivatives are not supported") as refusal:
         torch.autograd.grad(o, leaves[edge.wrt % len(leaves)], cotangent, create_graph=True)
     assert "\n" not in str(refusal.value)
+
+
+def test_the_fuzzer_draws_the_delta_rules_read_vector_and_written_value():
+    """The valid-spec strategy reaches the delta rule's delta_read and write_value, and token_value
+    inputs (which only write_value may read)."""
+    from hypothesis import find
+
+    spec = find(valid_specs(delta_vectors=True), lambda s: s.delta_read is not None and any(r == "token_value" for _, r in s.inputs),
+                settings=settings(database=None, max_examples=2000, suppress_health_check=list(HealthCheck)))
+    assert spec.update == "delta" and spec.write_value is not None and "v" in spec.write_value

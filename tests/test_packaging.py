@@ -44,7 +44,7 @@ def test_shipped_specs_by_name():
     assert set(shipped_spec_names()) == {path.stem for path in SPECS.glob("*.toml")}
     assert resolve_spec("gdn") == SPECS / "gdn.toml"
     assert resolve_spec("specs/gdn.toml") == Path("specs/gdn.toml")  # a path stays a path
-    with pytest.raises(SpecError, match="no shipped spec of that name .shipped: deltanet, gated_deltaproduct, gdn, "):
+    with pytest.raises(SpecError, match="no shipped spec of that name .shipped: comba, deltanet, gated_deltaproduct, gdn, gdn2, "):
         resolve_spec("gdm")
     assert lrdsl.load("gdn") is lrdsl.load(SPECS / "gdn.toml")
 

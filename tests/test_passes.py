@@ -157,6 +157,24 @@ def test_verify_catches_constant_gate_reading_tokens():
         verify(dataclasses.replace(rec, gate=GateKind.CONSTANT))
 
 
+def test_verify_catches_misplaced_delta_vectors():
+    """The read vector and the written value: delta rule only, k only in r_t, v only in x_t."""
+    from lrdsl.ir.recurrence import UpdateRule
+
+    gdn2, gdn = recurrence("gdn2"), recurrence("gdn")
+    k, v, w = sympy.Symbol("k"), sympy.Symbol("v"), sympy.Symbol("w")
+    with pytest.raises(IRError, match="belong to the delta rule only"):
+        verify(dataclasses.replace(gdn2, update=UpdateRule.PLAIN))
+    with pytest.raises(IRError, match=r"write_value reads undeclared \['k'\]"):
+        verify(dataclasses.replace(gdn2, write_value=v * k))
+    with pytest.raises(IRError, match="written value x_t is per value channel and reads v"):
+        verify(dataclasses.replace(gdn2, write_value=w))
+    with pytest.raises(IRError, match="read vector r_t is per key channel"):
+        verify(dataclasses.replace(gdn, delta_read=sympy.Symbol("beta")))
+    with pytest.raises(IRError, match="beta may not read per-value-channel inputs"):
+        verify(dataclasses.replace(gdn2, beta=w))
+
+
 def test_ir_nodes_are_frozen_and_hashable():
     rec = recurrence("gdn_qwen35")
     step = derive_step(rec)

@@ -260,3 +260,97 @@ def test_dplr_needs_a_key_channel_gate():
     text = DPLR.replace('gate = "key_channel"', 'gate = "scalar"').replace('w = "token_key"', 'w = "token"')
     message = error_of(text)
     assert "mixer.toml:5:" in message and "recurrence.gate: update = 'dplr' takes gate = 'key_channel'" in message
+
+
+# -- the delta rule's read vector and written value -------------------------------------------------
+
+DELTA_VECTORS = """\
+name = "mixer"
+
+[recurrence]
+update = "delta"
+gate = "key_channel"
+
+[inputs]
+g = "token_key"
+b = "token_key"
+w = "token_value"
+
+[formulas]
+log_decay = "g"
+delta_read = "b * k"
+write_value = "w * v"
+"""
+
+
+def test_delta_read_and_write_value_compile():
+    rec = compile_text(DELTA_VECTORS)
+    assert str(rec.delta_read) == "b*k" and str(rec.write_value) == "v*w"
+    assert rec.input("w").role is InputRole.TOKEN_VALUE and InputRole.TOKEN_VALUE.shape == ("B", "T", "HV", "V")
+    assert rec.is_per_key_channel(rec.delta_read) and rec.is_per_value_channel(rec.write_value)
+
+
+@pytest.mark.parametrize("update", ["plain", "dplr"])
+def test_delta_vectors_without_the_delta_rule(update):
+    message = error_of(DELTA_VECTORS.replace('update = "delta"', f'update = "{update}"')
+                       .replace('log_decay = "g"', 'log_decay = "g"\nlow_rank_read = "0.1 * b"\nlow_rank_write = "0.1 * g"'
+                                if update == "dplr" else 'log_decay = "g"'))
+    line = 16 if update == "dplr" else 14
+    assert message.startswith(f"mixer.toml:{line}: formulas.delta_read: given, but update = '{update}' has no delta "
+                              "residual (that is update = 'delta')"), message
+
+
+def test_write_value_must_read_v():
+    message = error_of(DELTA_VECTORS.replace('write_value = "w * v"', 'write_value = "w"'))
+    assert message == "mixer.toml:15: formulas.write_value: is the value written per value channel; it must read v"
+
+
+def test_write_value_is_per_value_channel():
+    message = error_of(DELTA_VECTORS.replace('write_value = "w * v"', 'write_value = "w * v * sigmoid(b)"'))
+    assert message.startswith("mixer.toml:15: formulas.write_value: is a vector per value channel, but it reads "
+                              "per-key-channel input 'b'")
+
+
+def test_delta_read_is_per_key_channel():
+    text = GOOD.replace('[inputs]', '[inputs]\nr = "token"').replace('beta = "beta"', 'beta = "beta"\ndelta_read = "r"')
+    message = error_of(text)
+    assert message.startswith("mixer.toml:16: formulas.delta_read: is a vector per key channel, but the formula reads "
+                              "neither k nor a token_key/head_key input")
+
+
+@pytest.mark.parametrize("key, formula, vector", [("log_decay", "g * sigmoid(k)", "k"), ("beta", "sigmoid(v)", "v"),
+                                                  ("delta_read", "b * k * v", "v"), ("write_value", "v * k", "k")])
+def test_k_and_v_only_where_the_delta_vectors_read_them(key, formula, vector):
+    line = {"log_decay": 13, "beta": 14, "delta_read": 14, "write_value": 15}[key]
+    text = DELTA_VECTORS.replace('log_decay = "g"', 'log_decay = "g"\nbeta = "0.5"') if key == "beta" else DELTA_VECTORS
+    text = text.replace(f'{key} = "{dict(log_decay="g", beta="0.5", delta_read="b * k", write_value="w * v")[key]}"',
+                        f'{key} = "{formula}"')
+    message = error_of(text)
+    assert message.startswith(f"mixer.toml:{line}: formulas.{key}: reads {vector}, which only formulas."), message
+
+
+def test_token_value_input_only_in_the_written_value():
+    text = GOOD.replace('[inputs]', '[inputs]\nx = "token_value"').replace('beta = "beta"', 'beta = "beta * sigmoid(x)"')
+    message = error_of(text)
+    assert message.startswith("mixer.toml:15: formulas.beta: reads token_value input 'x' (a V-vector per token), "
+                              "which only formulas.write_value may read")
+
+
+def test_delta_vectors_take_no_head_index():
+    message = error_of(DELTA_VECTORS.replace('write_value = "w * v"', 'write_value = "w * v * h"'))
+    assert message.startswith("mixer.toml:15: formulas.write_value: the head index h may only appear")
+
+
+def test_token_value_shape_is_checked_at_the_call(generator):
+    """A generated module refuses a token_value input of the wrong shape in one line."""
+    import torch
+
+    import lrdsl
+    from lrdsl.errors import InputError
+
+    mod = lrdsl.load(spec_path("gdn2"))
+    q = k = torch.randn(1, 4, 1, 8)
+    v = torch.randn(1, 4, 2, 6)
+    g, b = -torch.rand(1, 4, 2, 8), torch.rand(1, 4, 2, 8)
+    with pytest.raises(InputError, match=r"w must be \[B, T, HV, V\] = \[1, 4, 2, 6\], got \[1, 4, 2, 8\]"):
+        mod.recurrent(q, k, v, g, b, torch.rand(1, 4, 2, 8))

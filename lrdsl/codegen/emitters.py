@@ -78,6 +78,8 @@ def input_load(op: Load, ctx: KernelContext) -> tuple[str, str, str, str | None]
         return (pointer, *tile_address(op.shape, "HV", "i_hv", "", ctx.kernel.kind), "ACC")
     if role is InputRole.TOKEN_KEY:  # [B, T, HV, K]: like v, by value head
         return (pointer, *tile_address(op.shape, "HV", "i_hv", "K", ctx.kernel.kind), "ACC")
+    if role is InputRole.TOKEN_VALUE:  # [B, T, HV, V]: like v
+        return (pointer, *tile_address(op.shape, "HV", "i_hv", "V", ctx.kernel.kind), "ACC")
     return (pointer, "i_hv * K + o_k", "m_k", "ACC")  # HEAD_KEY: [HV, K]
 
 
@@ -140,11 +142,13 @@ def _formula(op: Formula, ctx: KernelContext) -> list[str]:
 def _mask_rows(op: MaskRows, ctx: KernelContext) -> list[str]:
     if len(op.shape) == 1:
         return [f"{var(op.out)} = tl.where(m_t, {var(op.x)}, 0.0)"]
-    if op.shape != ("C", "K"):
-        raise CompileError(f"rows_in_sequence of a {' x '.join(op.shape)} tile: only C and C x K values are masked")
+    if op.shape not in (("C", "K"), ("C", "V")):
+        raise CompileError(f"rows_in_sequence of a {' x '.join(op.shape)} tile: only C, C x K and C x V values are masked")
     # a C x K tile (a per-key-channel formula): key lanes past K (BK pads K to a power of two)
-    # too; a formula of the zero-padded inputs need not be 0 there, and a gram over keys sums it
-    return [f"{var(op.out)} = tl.where(m_t[:, None] & m_k[None, :], {var(op.x)}, 0.0)"]
+    # too; a formula of the zero-padded inputs need not be 0 there, and a gram over keys sums it.
+    # A C x V tile (a per-value-channel formula) the same over its block's value lanes.
+    lanes = "m_k" if op.shape == ("C", "K") else "m_v"
+    return [f"{var(op.out)} = tl.where(m_t[:, None] & {lanes}[None, :], {var(op.x)}, 0.0)"]
 
 
 @CHUNK_EMITTERS.register(FiniteRows)
@@ -153,7 +157,7 @@ def _finite_rows(op: FiniteRows, ctx: KernelContext) -> list[str]:
     if op.out not in ctx.guarded:  # a backward kernel: the value as it is
         return [f"{var(op.out)} = {x}"]
     # a formula of padded inputs need not be finite past the sequence end (or past K)
-    in_sequence = "m_t" if op.shape == ("C",) else "m_t[:, None] & m_k[None, :]"
+    in_sequence = {("C",): "m_t", ("C", "K"): "m_t[:, None] & m_k[None, :]", ("C", "V"): "m_t[:, None] & m_v[None, :]"}[op.shape]
     return guard_lines(ctx, op.out, var(op.out), x, "log_decay" if op.log_decay else "finite", in_sequence)
 
 

@@ -49,7 +49,7 @@ def input_register(name: str) -> str:
 
 def formula_names(prog: StepProgram) -> dict[str, str]:
     names = {i.name: input_register(i.name) for i in prog.recurrence.inputs}
-    names["h"] = "f_hv"
+    names.update(k="b_k", v="b_v", h="f_hv")  # k, v: delta_read and write_value may read them
     return names
 
 
@@ -81,6 +81,12 @@ def _load_input(op: LoadInput, prog: StepProgram) -> Emission:
             lines=[f"{register} = tl.load({p}).to(ACC)"],
             advance=[f"{p} += HV"],
         )
+    if op.role is InputRole.TOKEN_VALUE:  # [B, T, HV, V]: like v, this program's value block
+        return Emission(
+            setup=[f"{p} = {pointer} + (bos * HV + i_hv) * V + o_v"],
+            lines=[f"{register} = tl.load({p}, mask=m_v, other=0.0).to(ACC)"],
+            advance=[f"{p} += HV * V"],
+        )
     return Emission(
         setup=[f"{p} = {pointer} + (bos * HV + i_hv) * K + o_k"],
         lines=[f"{register} = tl.load({p}, mask=m_k, other=0.0).to(ACC)"],
@@ -109,6 +115,8 @@ def _formula(op: Formula, prog: StepProgram) -> Emission:
         # key lanes past K (BK pads K to a power of two) hold 0: the formula of zero-padded
         # inputs need not be 0, and a low-rank vector there would write into the state's padding
         value = f"tl.where(m_k, {value}, 0.0)"
+    if op.per_value:  # the same for value lanes past V (BV pads a block of V)
+        value = f"tl.where(m_v, {value}, 0.0)"
     lines.append(f"{op.target} = {value}")
     return Emission(lines)
 
@@ -122,14 +130,16 @@ def _decay(op: DecayState, prog: StepProgram) -> Emission:
 
 @STEP_EMITTERS.register(PredictValue)
 def _predict(op: PredictValue, prog: StepProgram) -> Emission:
-    return Emission(["# p = S^T k", "b_p = tl.sum(b_s * b_k[:, None], axis=0)"])
+    read = "b_k" if op.read == "k" else op.read
+    return Emission([f"# p = S^T {op.read}", f"b_p = tl.sum(b_s * {read}[:, None], axis=0)"])
 
 
 @STEP_EMITTERS.register(DeltaResidual)
 def _residual(op: DeltaResidual, prog: StepProgram) -> Emission:
+    x = "b_v" if op.value == "v" else op.value
     if op.with_beta:
-        return Emission(["# u = beta_t * (v - p)", "b_u = beta_t * (b_v - b_p)"])
-    return Emission(["# u = v - p", "b_u = b_v - b_p"])
+        return Emission([f"# u = beta_t * ({op.value} - p)", f"b_u = beta_t * ({x} - b_p)"])
+    return Emission([f"# u = {op.value} - p", f"b_u = {x} - b_p"])
 
 
 @STEP_EMITTERS.register(ScaleValue)

@@ -7,7 +7,8 @@ each use has a definition before it.
 
 Variables: `q`, `k` are K-vectors, `v`, `p`, `u`, `r`, `o` are V-vectors, `S` is the state; `g_t`
 is the log-decay (scalar, or a K-vector for key-channel gates), `beta_t` the write strength,
-`a_t`, `b_t` the dplr update's low-rank K-vectors.
+`a_t`, `b_t` the dplr update's low-rank K-vectors, `r_t` (K) and `x_t` (V) the delta update's
+read vector and written value where the spec gives them (else k and v themselves).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class LoadInput(StepOp):
         return (self.name,)
 
     def describe(self):
-        shape = "K" if self.role.per_key_channel else "1"
+        shape = "K" if self.role.per_key_channel else "V" if self.role.per_value_channel else "1"
         when = "per token" if self.role.per_token else "per head"
         return f"load     {self.name}: {shape}  ({self.role.value}, {when})"
 
@@ -81,11 +82,12 @@ class NormalizeL2(StepOp):
 
 @dataclass(frozen=True)
 class Formula(StepOp):
-    """target = expr, evaluated elementwise over its inputs (scalar, or a K-vector)."""
+    """target = expr, evaluated elementwise over its inputs (scalar, a K-vector or a V-vector)."""
 
-    target: str  # "g_t", "beta_t", "a_t" or "b_t"
+    target: str  # "g_t", "beta_t", "a_t", "b_t", "r_t" or "x_t"
     expr: sympy.Expr
     per_key: bool
+    per_value: bool = False  # a V-vector (write_value): it reads v
 
     def uses(self):
         return tuple(sorted(str(s) for s in self.expr.free_symbols if str(s) != "h"))
@@ -94,7 +96,7 @@ class Formula(StepOp):
         return (self.target,)
 
     def describe(self):
-        shape = "K" if self.per_key else "1"
+        shape = "K" if self.per_key else "V" if self.per_value else "1"
         return f"formula  {self.target}: {shape} = {self.expr}"
 
 
@@ -116,32 +118,37 @@ class DecayState(StepOp):
 
 @dataclass(frozen=True)
 class PredictValue(StepOp):
-    """p = S^T k: what the state currently recalls for key k (delta rule)."""
+    """p = S^T k: what the state currently recalls for key k (delta rule); with a read vector
+    (formulas.delta_read) p = S^T r_t, the state read along r_t instead of k."""
+
+    read: str = "k"  # "k" or "r_t"
 
     def uses(self):
-        return ("S", "k")
+        return ("S", self.read)
 
     def defines(self):
         return ("p",)
 
     def describe(self):
-        return "predict  p = S^T k"
+        return f"predict  p = S^T {self.read}"
 
 
 @dataclass(frozen=True)
 class DeltaResidual(StepOp):
-    """u = beta_t (v - p)."""
+    """u = beta_t (v - p); with a written value (formulas.write_value) u = beta_t (x_t - p)."""
 
     with_beta: bool
+    value: str = "v"  # "v" or "x_t"
 
     def uses(self):
-        return ("v", "p") + (("beta_t",) if self.with_beta else ())
+        return (self.value, "p") + (("beta_t",) if self.with_beta else ())
 
     def defines(self):
         return ("u",)
 
     def describe(self):
-        return "residual u = beta_t * (v - p)" if self.with_beta else "residual u = v - p"
+        x = self.value
+        return f"residual u = beta_t * ({x} - p)" if self.with_beta else f"residual u = {x} - p"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sympy
 
 from ..ir.formula import HEAD_INDEX, as_real, constant_beyond_float32, non_real_powers
-from ..ir.recurrence import GateKind, Input, Recurrence, UpdateRule
+from ..ir.recurrence import GateKind, Input, InputRole, Recurrence, UpdateRule
 from ..spec import Spec
 
 
@@ -18,9 +18,12 @@ def canonicalize(spec: Spec) -> Recurrence:
     log_decay = spec.formulas.get("log_decay")
     beta = spec.formulas.get("beta")
     low_rank = [spec.formulas.get(key) for key in ("low_rank_read", "low_rank_write")]
+    delta_read, write_value = spec.formulas.get("delta_read"), spec.formulas.get("write_value")
 
     def reads(formula, predicate) -> list[str]:
         return sorted(str(s) for s in formula.expr.free_symbols if str(s) in roles and predicate(roles[str(s)]))
+
+    _check_token_vectors(spec, roles, reads)
 
     if spec.gate is GateKind.NONE and log_decay is not None:
         raise spec.error("formulas.log_decay", "given, but recurrence.gate = 'none' has no decay; remove it or set a gate")
@@ -81,7 +84,9 @@ def canonicalize(spec: Spec) -> Recurrence:
                     f"given, but update = '{spec.update.value}' has no low-rank term (that is update = 'dplr')",
                 )
 
-    formulas = [f for f in (log_decay, beta, *low_rank) if f is not None]
+    _check_delta_vectors(spec, delta_read, write_value, reads)
+
+    formulas = [f for f in (log_decay, beta, *low_rank, delta_read, write_value) if f is not None]
     for formula in formulas:
         powers = non_real_powers(formula.expr)
         if powers:
@@ -124,6 +129,8 @@ def canonicalize(spec: Spec) -> Recurrence:
         summary=spec.summary,
         low_rank_read=sympy.sympify(low_rank[0].expr) if low_rank[0] is not None else None,
         low_rank_write=sympy.sympify(low_rank[1].expr) if low_rank[1] is not None else None,
+        delta_read=sympy.sympify(delta_read.expr) if delta_read is not None else None,
+        write_value=sympy.sympify(write_value.expr) if write_value is not None else None,
         steps_per_token=spec.steps_per_token,
     )
 
@@ -148,6 +155,60 @@ def _check_steps(spec: Spec, log_decay, step_formulas, reads) -> None:
                 f"inputs.{shared[0]}",
                 f"read by formulas.log_decay (one row per token) and formulas.{formula.key} (one row per step, "
                 f"steps_per_token = {spec.steps_per_token}); declare one input for each",
+            )
+
+
+# Which formula may read the token vectors k and v, and token_value inputs: the delta update's
+# read vector r_t is per key channel (it may read k), its written value x_t per value channel (it
+# may read v and token_value inputs). Everywhere else they have no meaning: a decay or beta per
+# value channel does not exist, and a formula of k elsewhere is no recurrence this IR describes.
+_READS_K = ("delta_read",)
+_READS_V = ("write_value",)
+
+
+def _check_token_vectors(spec: Spec, roles, reads) -> None:
+    for key, formula in spec.formulas.items():
+        used = {str(s) for s in formula.expr.free_symbols}
+        for name, allowed in (("k", _READS_K), ("v", _READS_V)):
+            if name in used and key not in allowed:
+                where = " or ".join(f"formulas.{a}" for a in allowed)
+                raise spec.error(f"formulas.{key}", f"reads {name}, which only {where} may read")
+        per_value = reads(formula, lambda r: r is InputRole.TOKEN_VALUE)
+        if per_value and key not in _READS_V:
+            raise spec.error(
+                f"formulas.{key}",
+                f"reads token_value input {per_value[0]!r} (a V-vector per token), which only formulas.write_value may read",
+            )
+
+
+def _check_delta_vectors(spec: Spec, delta_read, write_value, reads) -> None:
+    """delta_read and write_value: the delta update's read vector r_t (per key channel) and
+    written value x_t (per value channel), u_t = beta_t (x_t - S'^T r_t)."""
+    for formula in (delta_read, write_value):
+        if formula is None:
+            continue
+        if spec.update is not UpdateRule.DELTA:
+            raise spec.error(
+                f"formulas.{formula.key}",
+                f"given, but update = '{spec.update.value}' has no delta residual (that is update = 'delta')",
+            )
+        if HEAD_INDEX in formula.expr.free_symbols:
+            raise spec.error(f"formulas.{formula.key}", "the head index h may only appear in a constant gate's formula")
+    if delta_read is not None:
+        per_key = "k" in {str(s) for s in delta_read.expr.free_symbols} or reads(delta_read, lambda r: r.per_key_channel)
+        if not per_key:
+            raise spec.error(
+                "formulas.delta_read",
+                "is a vector per key channel, but the formula reads neither k nor a token_key/head_key input",
+            )
+    if write_value is not None:
+        if "v" not in {str(s) for s in write_value.expr.free_symbols}:
+            raise spec.error("formulas.write_value", "is the value written per value channel; it must read v")
+        per_key = reads(write_value, lambda r: r.per_key_channel)
+        if per_key:
+            raise spec.error(
+                "formulas.write_value",
+                f"is a vector per value channel, but it reads per-key-channel input {per_key[0]!r}",
             )
 
 

@@ -7,12 +7,16 @@ Which stages exist follows from the recurrence, never from its name:
  - the delta rule gives the triangular system T = (I + A)^-1 and W, U, the residual Vn = U - W H;
    a plain update writes Vn = beta * v directly;
  - beta scales the rows of A, W's and U's right-hand sides (or v) where the spec declares it;
+ - a read vector (formulas.delta_read, rows R) takes k's place on the read side of the delta rule
+   (A's rows and W), a written value (formulas.write_value, rows X) v's in U; the state is still
+   written along k;
  - the dplr update (diagonal plus low rank) solves a system too, of its two low-rank vectors
    (`_low_rank_chunk`).
 
-Per chunk (rows r = 1..C, entry state H), with G the cumulative decay in log2 units:
-    A  = StrictLower(diag(beta) (K K^T * exp2(G_i - G_j)))       T = (I + A)^-1
-    W  = T (K * beta * gamma)     U = T (V * beta)     Vn = U - W H
+Per chunk (rows r = 1..C, entry state H), with G the cumulative decay in log2 units and R, X the
+read vectors and written values (K and V unless the spec gives formulas for them):
+    A  = StrictLower(diag(beta) (R K^T * exp2(G_i - G_j)))       T = (I + A)^-1
+    W  = T (R * beta * gamma)     U = T (X * beta)     Vn = U - W H
     O  = scale (gamma * (Q H) + (Q K^T * exp2(G_i - G_j) * LowerIncl) Vn)
     H' = exp2(G_C) H + (K * exp2(G_C - G))^T Vn
 
@@ -65,6 +69,7 @@ INPUT_SHAPES: dict[InputRole, Shape] = {
     InputRole.TOKEN_KEY: ("C", "K"),
     InputRole.HEAD: (),
     InputRole.HEAD_KEY: ("K",),
+    InputRole.TOKEN_VALUE: ("C", "V"),
 }
 
 
@@ -178,6 +183,13 @@ def _low_rank_chunk(b: Builder, rec: Recurrence, t: Tiles) -> ChunkProgram:
     return ChunkProgram(rec, tuple(b.ops), (("o", str(O)), ("state", str(H_next))))
 
 
+def _delta_vector(b: Builder, name: str, expr: sympy.Expr, shape: Shape) -> sympy.Symbol:
+    """The delta rule's read vector (C x K) or written value (C x V) from its formula: rows past
+    the sequence end 0, and its non-finite entries guarded like the other per-token formulas'."""
+    x = b.add(MaskRows(b.fresh(f"{name}_masked"), shape, str(b.formula_of_inputs(name, expr, shape))))
+    return b.add(FiniteRows(b.fresh(f"{name}_finite"), shape, str(x)))
+
+
 def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     b = Builder()
     per_channel = rec.gate is GateKind.KEY_CHANNEL
@@ -222,27 +234,35 @@ def derive_chunk(rec: Recurrence) -> ChunkProgram | NoChunkForm:
     if rec.has_low_rank:
         return _low_rank_chunk(b, rec, Tiles(q, k, v, scale, g, G, G_last, gamma, beta, H))
     if rec.is_delta:
+        # the read vector R (rows r_t) reads the state, the written value X (rows x_t) is what the
+        # residual starts from; k and v unless the spec gives formulas for them. R replaces k on
+        # the read side only: the state is still written along k (A's columns, the exit state, O).
+        R = k if rec.delta_read is None else _delta_vector(b, "r_t", rec.delta_read, ("C", "K"))
+        X = v if rec.write_value is None else _delta_vector(b, "x_t", rec.write_value, ("C", "V"))
+        R_name = "K" if rec.delta_read is None else "R"
         if per_channel:
-            KK = b.add(DecayedGram(b.fresh("KKt_decayed"), ("C", "C"), str(k), str(k), str(G), inclusive=False))
+            KK = b.add(DecayedGram(b.fresh(f"{R_name}Kt_decayed"), ("C", "C"), str(R), str(k), str(G), inclusive=False))
         elif G is not None:
-            KK = b.matmul("KKt", k, k, ("C", "C"), transpose_b=True)
+            KK = b.matmul(f"{R_name}Kt", R, k, ("C", "C"), transpose_b=True)
             decay = b.add(DecayMatrix(b.fresh("D"), ("C", "C"), str(G), inclusive=False))
-            KK = b.formula("KKt_decayed", KK * decay, ("C", "C"))
+            KK = b.formula(f"{R_name}Kt_decayed", KK * decay, ("C", "C"))
         else:
-            KK = b.matmul("KKt", k, k, ("C", "C"), transpose_b=True)
-            KK = b.add(Mask(b.fresh("KKt_strict"), ("C", "C"), str(KK), inclusive=False))
+            KK = b.matmul(f"{R_name}Kt", R, k, ("C", "C"), transpose_b=True)
+            KK = b.add(Mask(b.fresh(f"{R_name}Kt_strict"), ("C", "C"), str(KK), inclusive=False))
         A = b.scale_rows("A", KK, beta, ("C", "C"))
         T = b.add(UnitLowerInverse(b.fresh("T"), ("C", "C"), str(A)))
+        r_name = str(R) if rec.delta_read is None else "r"
         if per_channel:  # the decay from the chunk start, channel by channel, then beta by rows
-            k_weighted = b.scale_rows("k_weighted", b.formula("k_gamma", k * gamma, ("C", "K")), beta, ("C", "K"))
+            r_weighted = b.scale_rows(f"{r_name}_weighted", b.formula(f"{r_name}_gamma", R * gamma, ("C", "K")), beta, ("C", "K"))
         else:
             if beta is not None and gamma is not None:
                 weight = b.formula("beta_gamma", beta * gamma, ("C",))
             else:
                 weight = beta if beta is not None else gamma
-            k_weighted = b.scale_rows("k_weighted", k, weight, ("C", "K"))
-        W = b.matmul("W", T, k_weighted, ("C", "K"))
-        U = b.matmul("U", T, b.scale_rows("v_beta", v, beta, ("C", "V")), ("C", "V"))
+            r_weighted = b.scale_rows(f"{r_name}_weighted", R, weight, ("C", "K"))
+        W = b.matmul("W", T, r_weighted, ("C", "K"))
+        x_name = "v" if rec.write_value is None else "x"
+        U = b.matmul("U", T, b.scale_rows(f"{x_name}_beta", X, beta, ("C", "V")), ("C", "V"))
         Vn = b.formula("Vn", U - b.matmul("WH", W, H, ("C", "V")), ("C", "V"))
     else:
         Vn = b.scale_rows("Vn", v, beta, ("C", "V"))

@@ -71,11 +71,13 @@ def verify_recurrence(rec: Recurrence) -> None:
     _require((rec.log_decay is None) == (rec.gate is GateKind.NONE), f"{rec.name}: log_decay must be set exactly when gated")
     known = set(names) | {str(HEAD_INDEX)}
     formulas = (("log_decay", rec.log_decay), ("beta", rec.beta), ("low_rank_read", rec.low_rank_read),
-                ("low_rank_write", rec.low_rank_write))
+                ("low_rank_write", rec.low_rank_write), ("delta_read", rec.delta_read), ("write_value", rec.write_value))
+    # the token vectors a formula may read by name: k in the read vector, v in the written value
+    vectors = {"delta_read": {"k"}, "write_value": {"v"}}
     for label, expr in formulas:
         if expr is None:
             continue
-        stray = sorted(str(s) for s in expr.free_symbols if str(s) not in known)
+        stray = sorted(str(s) for s in expr.free_symbols if str(s) not in known | vectors.get(label, set()))
         _require(not stray, f"{rec.name}: {label} reads undeclared {stray}")
     if rec.gate is GateKind.CONSTANT:
         _require(not rec.is_per_token(rec.log_decay), f"{rec.name}: a constant gate may not read per-token inputs")
@@ -92,6 +94,16 @@ def verify_recurrence(rec: Recurrence) -> None:
         _require(rec.gate is GateKind.KEY_CHANNEL, f"{rec.name}: dplr decays per key channel")
     else:
         _require(low_rank == (None, None), f"{rec.name}: low-rank vectors belong to the dplr update only")
+    if rec.delta_read is not None or rec.write_value is not None:
+        _require(rec.is_delta, f"{rec.name}: a read vector and a written value belong to the delta rule only")
+    if rec.delta_read is not None:
+        _require(rec.is_per_key_channel(rec.delta_read) and not rec.is_per_value_channel(rec.delta_read),
+                 f"{rec.name}: the read vector r_t is per key channel")
+    if rec.write_value is not None:
+        _require(rec.reads_token_vector(rec.write_value, "v") and not rec.is_per_key_channel(rec.write_value),
+                 f"{rec.name}: the written value x_t is per value channel and reads v")
+    for label, expr in formulas[:4]:
+        _require(not rec.is_per_value_channel(expr), f"{rec.name}: {label} may not read per-value-channel inputs")
 
 
 @verifies(StepProgram)
@@ -131,7 +143,7 @@ def verify_step_program(prog: StepProgram) -> None:
 # -- chunk programs ----------------------------------------------------------------------------
 
 _LOAD_SHAPES = {"q": ("C", "K"), "k": ("C", "K"), "v": ("C", "V"), "scale": (), "h": (), "dO": ("C", "V")}
-_INPUT_SHAPES = {"token": ("C",), "token_key": ("C", "K"), "head": (), "head_key": ("K",)}
+_INPUT_SHAPES = {"token": ("C",), "token_key": ("C", "K"), "head": (), "head_key": ("K",), "token_value": ("C", "V")}
 
 
 def _matmul_shape(op: MatMul, shapes) -> tuple | None:

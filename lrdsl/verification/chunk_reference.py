@@ -58,7 +58,7 @@ def run_chunked(prog: ChunkProgram, q, k, v, *inputs, chunk_size: int, scale=Non
                         env[op.out] = torch.tensor(float(scale), dtype=torch.float64)
                     elif op.source == "h":
                         env[op.out] = torch.tensor(float(hv), dtype=torch.float64)
-                    elif roles[op.source] in (InputRole.TOKEN, InputRole.TOKEN_KEY):
+                    elif roles[op.source].per_token:
                         env[op.out] = rows(named[op.source][:, :, hv], b, start, stop)
                     else:
                         env[op.out] = named[op.source][hv]

@@ -65,9 +65,10 @@ class SymbolicChunk:
                 self.raw[inp.name] = sympy.Matrix(
                     C, 1, lambda i, j, n=inp.name: sympy.Symbol(f"{n}_{i}", real=True) if i < rows else 0
                 )
-            elif inp.role is InputRole.TOKEN_KEY:
+            elif inp.role in (InputRole.TOKEN_KEY, InputRole.TOKEN_VALUE):
+                width = K if inp.role is InputRole.TOKEN_KEY else V
                 self.raw[inp.name] = sympy.Matrix(
-                    C, K, lambda i, j, n=inp.name: sympy.Symbol(f"{n}_{i}{j}", real=True) if i < rows else 0
+                    C, width, lambda i, j, n=inp.name: sympy.Symbol(f"{n}_{i}{j}", real=True) if i < rows else 0
                 )
             elif inp.role is InputRole.HEAD_KEY:
                 self.raw[inp.name] = sympy.Matrix(1, K, lambda i, j, n=inp.name: sympy.Symbol(f"{n}_{j}", real=True))
@@ -91,15 +92,18 @@ class SymbolicChunk:
         return evaluate_sympy(prog, env, self.sizes, valid_rows=self.rows)
 
     def values_at(self, t: int, channel: int = 0) -> dict:
-        """Formula symbol -> its value at row t (and key channel `channel` for per-channel inputs)."""
+        """Formula symbol -> its value at row t (and key channel `channel` for per-channel inputs,
+        or value channel `channel` for token_value inputs and v: a formula reads one kind)."""
         roles = {i.name: i.role for i in self.rec.inputs}
         values = {HEAD_INDEX: self.head}
+        values[sympy.Symbol("k")] = self.k[t, min(channel, self.K - 1)]
+        values[sympy.Symbol("v")] = self.v[t, min(channel, self.V - 1)]
         for name, x in self.raw.items():
             role = roles[name]
             if role is InputRole.TOKEN:
                 values[sympy.Symbol(name)] = x[t, 0]
-            elif role is InputRole.TOKEN_KEY:
-                values[sympy.Symbol(name)] = x[t, channel]
+            elif role in (InputRole.TOKEN_KEY, InputRole.TOKEN_VALUE):
+                values[sympy.Symbol(name)] = x[t, min(channel, x.cols - 1)]
             elif role is InputRole.HEAD_KEY:
                 values[sympy.Symbol(name)] = x[0, channel]
             else:
@@ -109,6 +113,10 @@ class SymbolicChunk:
     def vector_at(self, expr, t: int) -> sympy.Matrix:
         """A per-key-channel formula at row t, as a K x 1 column."""
         return sympy.Matrix(self.K, 1, lambda c, _: expr.subs(self.values_at(t, c), simultaneous=True))
+
+    def value_vector_at(self, expr, t: int) -> sympy.Matrix:
+        """A per-value-channel formula (of v and token_value inputs) at row t, as a 1 x V row."""
+        return sympy.Matrix(1, self.V, lambda _, j: expr.subs(self.values_at(t, j), simultaneous=True))
 
     def unrolled(self):
         """The recurrence token by token (docs/design.md §1): (output rows, final state)."""
@@ -121,7 +129,12 @@ class SymbolicChunk:
                 S = sympy.diag(*decay) * S
             elif rec.gate is not GateKind.NONE:
                 S = sympy.exp(rec.log_decay.subs(values, simultaneous=True)) * S
-            u = self.v[t, :] - (S.T * self.k[t, :].T).T if rec.is_delta else self.v[t, :]
+            if rec.is_delta:  # u_t = x_t - S'^T r_t (r_t = k_t, x_t = v_t unless the spec says otherwise)
+                r = self.k[t, :].T if rec.delta_read is None else self.vector_at(rec.delta_read, t)
+                x = self.v[t, :] if rec.write_value is None else self.value_vector_at(rec.write_value, t)
+                u = x - (S.T * r).T
+            else:
+                u = self.v[t, :]
             if rec.has_beta:
                 u = rec.beta.subs(values, simultaneous=True) * u
             S = S + self.k[t, :].T * u

@@ -46,7 +46,9 @@ def make_inputs(
     [gate_low, 0]; one that *is* beta in (0, 1); inputs of other formulas are standard normal.
     A dplr update whose low-rank vectors are inputs themselves gets them as RWKV-7 forms them,
     a = -eta u and b = u for a unit vector u and eta in (0, 1), so that I + b a^T contracts
-    (independent normal vectors would grow the state token by token).
+    (independent normal vectors would grow the state token by token). A delta rule's read vector
+    that is an input itself is a unit vector like k, so I - beta k r^T keeps its one eigenvalue
+    other than 1 in (-1, 2) instead of drifting with |r|.
     """
     B, T, H, HV, K, V = shape.B, shape.T, shape.H, shape.HV, shape.K, shape.V
 
@@ -64,7 +66,7 @@ def make_inputs(
     if normalize_keys:
         k = F.normalize(k, dim=-1)
     v = randn(B, rows, HV, V)
-    sizes = {"B": B, "HV": HV, "K": K}
+    sizes = {"B": B, "HV": HV, "K": K, "V": V}
     pair = _low_rank_pair(rec)
     direction = F.normalize(randn(B, rows, HV, K), dim=-1) if pair else None
     extras = []
@@ -75,6 +77,8 @@ def make_inputs(
             x = gate_low * rand(*size)
         elif rec.beta == symbol:
             x = rand(*size)
+        elif rec.delta_read == symbol and inp.role is InputRole.TOKEN_KEY:  # a unit vector, like k
+            x = F.normalize(randn(*size), dim=-1)
         elif pair and inp.name == pair[0]:  # a = -eta u
             x = -rand(B, rows, HV, 1) * direction
         elif pair and inp.name == pair[1]:  # b = u

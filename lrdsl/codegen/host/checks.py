@@ -15,7 +15,7 @@ from .module_names import INPUTS, SPEC_NAME, InputError
 # ---------------------------------------------------------------------------------------------
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_ROLE_SHAPES = {"token": "[B, T, HV]", "token_key": "[B, T, HV, K]", "head": "[HV]", "head_key": "[HV, K]"}
+_ROLE_SHAPES = {"token": "[B, T, HV]", "token_key": "[B, T, HV, K]", "head": "[HV]", "head_key": "[HV, K]", "token_value": "[B, T, HV, V]"}
 MAX_HEAD_DIM = 256
 # CUDA caps a grid's first axis at 2**31 - 1 programs and the other two at 65,535: every launch
 # puts all its programs on the first axis, and a call that would need more is refused.
@@ -126,7 +126,7 @@ def _check_call(fn, kernel, q, k, v, extras, scale, initial_state, cu_seqlens, s
     for name, x in named:
         if x.device != device:
             _fail(fn, f"{name} is on {x.device} but q is on {device}; all tensors must share one device")
-    sizes = {"B": B, "T": T, "HV": HV, "K": K}
+    sizes = {"B": B, "T": T, "HV": HV, "K": K, "V": V}
     for (name, role), x in zip(INPUTS, extras):
         expected = tuple(sizes[d] for d in _ROLE_SHAPES[role][1:-1].split(", "))
         if tuple(x.shape) != expected:

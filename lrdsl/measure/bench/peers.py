@@ -138,7 +138,10 @@ FLA_BASELINES = {
 
 
 def _role_expressions(rec: Recurrence) -> dict:
-    return {"gate": rec.log_decay, "beta": rec.beta, "read": rec.low_rank_read, "write": rec.low_rank_write}
+    # the delta rule's read vector and written value too: an FLA function without them (gdn's,
+    # kda's) is no counterpart of a spec with them (comba, gdn2)
+    return {"gate": rec.log_decay, "beta": rec.beta, "read": rec.low_rank_read, "write": rec.low_rank_write,
+            "delta_read": rec.delta_read, "write_value": rec.write_value}
 
 
 def input_role(rec: Recurrence, name: str) -> str | None:
