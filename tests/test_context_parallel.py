@@ -1,0 +1,178 @@
+"""Context parallelism (lrdsl.distributed): a packed batch split over 2 and 3 gloo ranks (spawned
+processes, the Triton interpreter) through every spec's chunk(..., cp_context=), against ONE
+process running the whole batch through the same module's chunk() and against the float64
+oracle: outputs, final states and every gradient (inputs and initial states), at the fp32
+tolerance.
+
+Each world size is one spawn running every case, so the processes start (import torch, load the
+modules) once; the ranks write their results to files and this process compares them.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import lrdsl
+from lrdsl import reference
+from lrdsl.distributed import build_cp_context
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
+
+from helpers import ALL_SPECS, module, recurrence, rows_per_token
+
+HV, K, V = 2, 16, 16  # H = 1 key head read by 2 value heads
+SEED = 7
+
+# (layout name, tokens per rank, global cu_seqlens), for 2 and 3 ranks
+LAYOUTS = {
+    2: {
+        "one_sequence_all_ranks": (24, [0, 48]),
+        "short_sequences_boundary_at_start": (24, [0, 5, 24, 30, 41, 48]),
+        "crossing_and_short": (24, [0, 3, 29, 40, 48]),
+    },
+    3: {
+        "one_sequence_all_ranks": (16, [0, 48]),
+        "middle_rank_only_middle": (16, [0, 7, 45, 48]),
+        "short_sequences_boundary_at_start": (16, [0, 3, 16, 20, 32, 39, 48]),
+    },
+}
+# every spec runs one layout per world size (the layouts rotate over specs, so that each layout
+# meets several update kinds), with and without initial / final states alternating
+CORE = ("gdn", "kda", "simple_gla", "rwkv7", "deltanet", "linear_attn")
+
+
+def _cases(world):
+    layouts = list(LAYOUTS[world])
+    specs = list(CORE) + [s for s in ALL_SPECS if s not in CORE]
+    cases = []
+    for i, name in enumerate(specs):
+        layout = layouts[i % len(layouts)]
+        states = (i + world) % 2 == 0
+        cases.append((name, layout, states))
+    # the core specs run every layout with states, and the first without
+    for name in CORE[:2]:
+        cases += [(name, layout, True) for layout in layouts if (name, layout, True) not in cases]
+    return cases
+
+
+def _inputs(name, cu, states):
+    rec = recurrence(name)
+    g = torch.Generator().manual_seed(SEED)
+    tensors = make_inputs(rec, Shape(1, cu[-1], 1, HV, K, V), generator=g)
+    N = len(cu) - 1
+    h0 = torch.randn(N, HV, K, V, generator=g) if states else None
+    d_o = torch.randn(1, cu[-1], HV, V, generator=g)
+    d_ht = torch.randn(N, HV, K, V, generator=g) if states else None
+    return rec, tensors, h0, d_o, d_ht
+
+
+def _token_slice(t, rows, lo, hi):
+    return t if rows == 0 else t[:, lo * rows: hi * rows]
+
+
+def _rank_main(rank, world, init, out_dir, cases):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for name, layout, states in cases:
+            local, cu = LAYOUTS[world][layout]
+            rec, tensors, h0, d_o, d_ht = _inputs(name, cu, states)
+            mod = module(name)
+            ctx = build_cp_context(torch.tensor(cu, dtype=torch.int32), group=None)
+            lo, hi = rank * local, (rank + 1) * local
+            leaves = [_token_slice(t, r, lo, hi).clone().requires_grad_() for t, r in
+                      zip(tensors, rows_per_token(rec))]
+            mine = h0[list(ctx.initial_state_ids)].clone().requires_grad_() if states else None
+            o, ht = mod.chunk(*leaves, initial_state=mine, output_final_state=states, cp_context=ctx)
+            loss = (o * d_o[:, lo:hi]).sum()
+            if states:
+                loss = loss + (ht * d_ht[list(ctx.final_state_ids)]).sum()
+            loss.backward()
+            torch.save(dict(o=o.detach(), ht=None if ht is None else ht.detach(),
+                            grads=[t.grad for t in leaves], d_h0=None if mine is None else mine.grad,
+                            initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids),
+                       os.path.join(out_dir, f"{name}.{layout}.{states}.{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_world(world):
+    """Every case on `world` spawned ranks; returns {case: [per-rank results]}."""
+    cases = _cases(world)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank_main, args=(world, f"tcp://127.0.0.1:{_free_port()}", out_dir, cases),
+                           nprocs=world, start_method="spawn")
+        return {case: [torch.load(os.path.join(out_dir, f"{case[0]}.{case[1]}.{case[2]}.{r}.pt")) for r in range(world)]
+                for case in cases}
+
+
+def _gathered(results, rec, cu, states, local):
+    """The ranks' results put back into the whole batch's shapes (a per-head input's gradient is
+    the sum of the ranks' parts)."""
+    o = torch.cat([r["o"] for r in results], dim=1)
+    grads = []
+    for i, rows in enumerate(rows_per_token(rec)):
+        parts = [r["grads"][i] for r in results]
+        grads.append(sum(parts) if rows == 0 else torch.cat(parts, dim=1))
+    N = len(cu) - 1
+    ht = d_h0 = None
+    if states:
+        ht = torch.zeros(N, HV, K, V)
+        d_h0 = torch.zeros(N, HV, K, V)
+        finals = [n for r in results for n in r["final_ids"]]
+        initials = [n for r in results for n in r["initial_ids"]]
+        assert sorted(finals) == list(range(N)) and sorted(initials) == list(range(N)), "each state once"
+        for r in results:
+            ht[list(r["final_ids"])] = r["ht"]
+            d_h0[list(r["initial_ids"])] = r["d_h0"]
+    return o, ht, grads, d_h0
+
+
+def _single_and_oracle(name, cu, states):
+    """The whole batch through one chunk() call and through the float64 oracle: (o, ht, grads, d_h0) each."""
+    rec, tensors, h0, d_o, d_ht = _inputs(name, cu, states)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    out = []
+    for run, dtype in ((module(name).chunk, torch.float32), (lambda *a, **kw: reference.run(rec, *a, **kw), torch.float64)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in tensors]
+        h = h0.detach().to(dtype).requires_grad_() if states else None
+        o, ht = run(*leaves, initial_state=h, output_final_state=states, cu_seqlens=cu_t)
+        loss = (o * d_o.to(dtype)).sum()
+        if states:
+            loss = loss + (ht * d_ht.to(dtype)).sum()
+        loss.backward()
+        out.append((o.detach(), ht.detach() if states else None, [t.grad for t in leaves], h.grad if states else None))
+    return rec, out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_matches_one_process_and_oracle(world):
+    limit = TOLERANCE[torch.float32]
+    worst = {}
+    for (name, layout, states), results in _run_world(world).items():
+        local, cu = LAYOUTS[world][layout]
+        rec, references = _single_and_oracle(name, cu, states)
+        mine = _gathered(results, rec, cu, states, local)
+        names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+        for against, ref in zip(("one process", "oracle"), references):
+            errors = {"o": relative_error(mine[0], ref[0])}
+            if states:
+                errors["ht"] = relative_error(mine[1], ref[1])
+                errors["d_h0"] = relative_error(mine[3], ref[3])
+            errors.update({f"d_{n}": relative_error(a, b) for n, a, b in zip(names, mine[2], ref[2])})
+            bad = {k: e for k, e in errors.items() if not e <= limit}
+            assert not bad, f"{world} ranks, {name}, {layout}, states={states}, against {against}: {bad}"
+            worst[against] = max(worst.get(against, 0.0), *errors.values())
+    print(f"{world} ranks: largest relative errors {worst}")
