@@ -9,6 +9,7 @@ modules) once; the ranks write their results to files and this process compares 
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import tempfile
@@ -25,48 +26,47 @@ from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative
 
 from helpers import ALL_SPECS, module, recurrence, rows_per_token
 
-HV, K, V = 2, 16, 16  # H = 1 key head read by 2 value heads
+K = V = 16
 SEED = 7
 
-# (layout name, tokens per rank, global cu_seqlens), for 2 and 3 ranks
+T = 48  # tokens of the packed batch: 24 per rank on 2 ranks, 16 on 3
+# global cu_seqlens, each meaning something on 2 and on 3 ranks
 LAYOUTS = {
-    2: {
-        "one_sequence_all_ranks": (24, [0, 48]),
-        "short_sequences_boundary_at_start": (24, [0, 5, 24, 30, 41, 48]),
-        "crossing_and_short": (24, [0, 3, 29, 40, 48]),
-    },
-    3: {
-        "one_sequence_all_ranks": (16, [0, 48]),
-        "middle_rank_only_middle": (16, [0, 7, 45, 48]),
-        "short_sequences_boundary_at_start": (16, [0, 3, 16, 20, 32, 39, 48]),
-    },
+    # 2 and 3 ranks: one sequence over all ranks; on 3 the middle rank holds only its middle
+    "one_sequence": [0, 48],
+    # short sequences, rank boundaries exactly at sequence starts (16 on 3 ranks, 24 on 2)
+    "short_sequences": [0, 5, 16, 24, 30, 48],
+    # a long sequence across ranks between short ones; on 3 ranks the middle one holds only its middle
+    "crossing": [0, 7, 45, 48],
 }
-# every spec runs one layout per world size (the layouts rotate over specs, so that each layout
-# meets several update kinds), with and without initial / final states alternating
 CORE = ("gdn", "kda", "simple_gla", "rwkv7", "deltanet", "linear_attn")
 
 
 def _cases(world):
-    layouts = list(LAYOUTS[world])
-    specs = list(CORE) + [s for s in ALL_SPECS if s not in CORE]
-    cases = []
-    for i, name in enumerate(specs):
-        layout = layouts[i % len(layouts)]
-        states = (i + world) % 2 == 0
-        cases.append((name, layout, states))
-    # the core specs run every layout with states, and the first without
-    for name in CORE[:2]:
-        cases += [(name, layout, True) for layout in layouts if (name, layout, True) not in cases]
-    return cases
+    """(spec, layout, with initial / final states): on 2 ranks every spec once, on 3 the core
+    update / gate kinds, the layouts and the state options rotating over them, and gdn (the one
+    run with value heads sharing a key head) on every layout with states, so that each layout
+    meets several update kinds at little cost (each case is two chunk() calls per rank)."""
+    layouts = list(LAYOUTS)
+    specs = list(CORE) + ([s for s in ALL_SPECS if s not in CORE] if world == 2 else [])
+    cases = [(name, layouts[i % len(layouts)], i % 2 == 0) for i, name in enumerate(specs)]
+    return cases + [("gdn", layout, True) for layout in layouts if ("gdn", layout, True) not in cases]
+
+
+def _heads(name):
+    """(H, HV): gdn's value heads share a key head; the others take one head (the interpreter's
+    time grows with the heads)."""
+    return (1, 2) if name == "gdn" else (1, 1)
 
 
 def _inputs(name, cu, states):
     rec = recurrence(name)
     g = torch.Generator().manual_seed(SEED)
-    tensors = make_inputs(rec, Shape(1, cu[-1], 1, HV, K, V), generator=g)
+    H, HV = _heads(name)
+    tensors = make_inputs(rec, Shape(1, T, H, HV, K, V), generator=g)
     N = len(cu) - 1
     h0 = torch.randn(N, HV, K, V, generator=g) if states else None
-    d_o = torch.randn(1, cu[-1], HV, V, generator=g)
+    d_o = torch.randn(1, T, HV, V, generator=g)
     d_ht = torch.randn(N, HV, K, V, generator=g) if states else None
     return rec, tensors, h0, d_o, d_ht
 
@@ -81,7 +81,7 @@ def _rank_main(rank, world, init, out_dir, cases):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         for name, layout, states in cases:
-            local, cu = LAYOUTS[world][layout]
+            local, cu = T // world, LAYOUTS[layout]
             rec, tensors, h0, d_o, d_ht = _inputs(name, cu, states)
             mod = module(name)
             ctx = build_cp_context(torch.tensor(cu, dtype=torch.int32), group=None)
@@ -118,7 +118,7 @@ def _run_world(world):
                 for case in cases}
 
 
-def _gathered(results, rec, cu, states, local):
+def _gathered(results, rec, cu, states):
     """The ranks' results put back into the whole batch's shapes (a per-head input's gradient is
     the sum of the ranks' parts)."""
     o = torch.cat([r["o"] for r in results], dim=1)
@@ -126,7 +126,7 @@ def _gathered(results, rec, cu, states, local):
     for i, rows in enumerate(rows_per_token(rec)):
         parts = [r["grads"][i] for r in results]
         grads.append(sum(parts) if rows == 0 else torch.cat(parts, dim=1))
-    N = len(cu) - 1
+    N, HV = len(cu) - 1, _heads(rec.name)[1]
     ht = d_h0 = None
     if states:
         ht = torch.zeros(N, HV, K, V)
@@ -140,8 +140,10 @@ def _gathered(results, rec, cu, states, local):
     return o, ht, grads, d_h0
 
 
-def _single_and_oracle(name, cu, states):
+@functools.lru_cache(maxsize=None)  # shared by the world sizes
+def _single_and_oracle(name, layout, states):
     """The whole batch through one chunk() call and through the float64 oracle: (o, ht, grads, d_h0) each."""
+    cu = LAYOUTS[layout]
     rec, tensors, h0, d_o, d_ht = _inputs(name, cu, states)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     out = []
@@ -162,9 +164,9 @@ def test_context_parallel_matches_one_process_and_oracle(world):
     limit = TOLERANCE[torch.float32]
     worst = {}
     for (name, layout, states), results in _run_world(world).items():
-        local, cu = LAYOUTS[world][layout]
-        rec, references = _single_and_oracle(name, cu, states)
-        mine = _gathered(results, rec, cu, states, local)
+        cu = LAYOUTS[layout]
+        rec, references = _single_and_oracle(name, layout, states)
+        mine = _gathered(results, rec, cu, states)
         names = ["q", "k", "v"] + [i.name for i in rec.inputs]
         for against, ref in zip(("one process", "oracle"), references):
             errors = {"o": relative_error(mine[0], ref[0])}
@@ -176,3 +178,38 @@ def test_context_parallel_matches_one_process_and_oracle(world):
             assert not bad, f"{world} ranks, {name}, {layout}, states={states}, against {against}: {bad}"
             worst[against] = max(worst.get(against, 0.0), *errors.values())
     print(f"{world} ranks: largest relative errors {worst}")
+
+
+def test_one_line_errors():
+    """What context parallelism refuses, each in one line (a group of one rank, in this process)."""
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    with pytest.raises(lrdsl.InputError, match="init_process_group"):
+        build_cp_context(cu)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        mod, rec = module("gdn"), recurrence("gdn")
+        tensors = make_inputs(rec, Shape(1, 16, 1, 1, K, V), generator=torch.Generator().manual_seed(SEED))
+        ctx = build_cp_context(cu)
+        assert (ctx.sequence_ids, ctx.initial_state_ids, ctx.final_state_ids) == ((0, 1), (0, 1), (0, 1))
+        refusals = {
+            "empty": lambda: build_cp_context(torch.tensor([0, 5, 5, 16])),
+            "int32 or int64": lambda: build_cp_context(cu.float()),
+            "B must be 1": lambda: mod.chunk(*[torch.cat([t, t]) for t in tensors], cp_context=ctx),
+            "this rank's slice holds 16": lambda: mod.chunk(*[t[:, :8] for t in tensors], cp_context=ctx),
+            "cu_seqlens disagrees": lambda: mod.chunk(*tensors, cu_seqlens=torch.tensor([0, 16], dtype=torch.int32),
+                                                     cp_context=ctx),
+            "initial_state must hold the 2 sequences": lambda: mod.chunk(*tensors, initial_state=torch.zeros(1, 1, K, V),
+                                                                         cp_context=ctx),
+            "state_pool is not supported": lambda: mod.chunk(*tensors, state_pool=torch.zeros(2, 1, K, V),
+                                                             state_indices=torch.tensor([0, 1]), cp_context=ctx),
+        }
+        for message, call in refusals.items():
+            with pytest.raises(lrdsl.InputError, match=message) as error:
+                call()
+            assert "\n" not in str(error.value), message
+        # the context's own cu_seqlens is accepted, and one rank is the plain call
+        o, ht = mod.chunk(*tensors, cu_seqlens=ctx.cu_seqlens, output_final_state=True, cp_context=ctx)
+        ref_o, ref_ht = mod.chunk(*tensors, cu_seqlens=cu, output_final_state=True)
+        assert torch.equal(o, ref_o) and torch.equal(ht, ref_ht)
+    finally:
+        dist.destroy_process_group()
