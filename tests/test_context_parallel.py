@@ -180,6 +180,70 @@ def test_context_parallel_matches_one_process_and_oracle(world):
     print(f"{world} ranks: largest relative errors {worst}")
 
 
+
+def _ops_inputs(fn):
+    """FLA's inputs of lrdsl.ops' chunk_gated_delta_rule / chunk_kda on the "crossing" layout, with
+    FLA's state layout [N, HV, V, K] (state_v_first=True): q, k, v, g, beta, h0, d_o, d_ht."""
+    g = torch.Generator().manual_seed(SEED)
+    N = len(LAYOUTS["crossing"]) - 1
+    q, k = torch.randn(1, T, 1, K, generator=g), torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=g), dim=-1)
+    v = torch.randn(1, T, 1, V, generator=g)
+    gate = -0.5 * torch.rand((1, T, 1, K) if fn == "chunk_kda" else (1, T, 1), generator=g)
+    beta = torch.rand(1, T, 1, generator=g)
+    return (q, k, v, gate, beta, torch.randn(N, 1, V, K, generator=g), torch.randn(1, T, 1, V, generator=g),
+            torch.randn(N, 1, V, K, generator=g))
+
+
+def _ops_call(fn, tensors, h0, **options):
+    from lrdsl import ops
+
+    return getattr(ops, fn)(*tensors, initial_state=h0, output_final_state=True, state_v_first=True, **options)
+
+
+def _ops_rank_main(rank, world, init, out_dir, fns):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for fn in fns:
+            *tensors, h0, d_o, d_ht = _ops_inputs(fn)
+            ctx = build_cp_context(torch.tensor(LAYOUTS["crossing"]), group=None)
+            lo, hi = rank * ctx.num_tokens, (rank + 1) * ctx.num_tokens
+            leaves = [t[:, lo:hi].clone().requires_grad_() for t in tensors]
+            mine = h0[list(ctx.initial_state_ids)].clone().requires_grad_()
+            o, ht = _ops_call(fn, leaves, mine, cu_seqlens=ctx.cu_seqlens, cp_context=ctx)
+            ((o * d_o[:, lo:hi]).sum() + (ht * d_ht[list(ctx.final_state_ids)]).sum()).backward()
+            torch.save(dict(o=o.detach(), ht=ht.detach(), grads=[t.grad for t in leaves], d_h0=mine.grad,
+                            initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids),
+                       os.path.join(out_dir, f"{fn}.{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ops_entry_points_take_cp_context():
+    """lrdsl.ops' FLA-compatible chunk_gated_delta_rule and chunk_kda with cp_context (and FLA's
+    state layout, [N, HV, V, K]) on 2 ranks, against the same call in one process."""
+    fns, world = ("chunk_gated_delta_rule", "chunk_kda"), 2
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_ops_rank_main, args=(world, f"tcp://127.0.0.1:{_free_port()}", out_dir, fns),
+                           nprocs=world, start_method="spawn")
+        results = {fn: [torch.load(os.path.join(out_dir, f"{fn}.{r}.pt")) for r in range(world)] for fn in fns}
+    for fn in fns:
+        *tensors, h0, d_o, d_ht = _ops_inputs(fn)
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        h = h0.clone().requires_grad_()
+        o, ht = _ops_call(fn, leaves, h, cu_seqlens=torch.tensor(LAYOUTS["crossing"]))
+        ((o * d_o).sum() + (ht * d_ht).sum()).backward()
+        mine_ht, mine_d_h0 = torch.zeros_like(ht), torch.zeros_like(h0)
+        for r in results[fn]:
+            mine_ht[list(r["final_ids"])] = r["ht"]
+            mine_d_h0[list(r["initial_ids"])] = r["d_h0"]
+        errors = {"o": relative_error(torch.cat([r["o"] for r in results[fn]], dim=1), o.detach()),
+                  "ht": relative_error(mine_ht, ht.detach()), "d_h0": relative_error(mine_d_h0, h.grad)}
+        for name, leaf, i in zip("qkvgb", leaves, range(5)):
+            errors[f"d_{name}"] = relative_error(torch.cat([r["grads"][i] for r in results[fn]], dim=1), leaf.grad)
+        bad = {k: e for k, e in errors.items() if not e <= TOLERANCE[torch.float32]}
+        assert not bad, f"{fn} on {world} ranks: {bad}"
+
 def test_one_line_errors():
     """What context parallelism refuses, each in one line (a group of one rank, in this process)."""
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
