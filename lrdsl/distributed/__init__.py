@@ -1,5 +1,5 @@
 """Context parallelism on torch.distributed: one packed batch cut into contiguous token slices,
-one per rank, run through every generated module's chunk() (docs/design.md, "Context parallelism").
+one per rank, run through every generated module's chunk() (docs/design.md §9).
 
     ctx = lrdsl.distributed.build_cp_context(cu_seqlens, group)   # global cu_seqlens, FLA's meaning
     o, ht = module.chunk(q, k, v, ..., cp_context=ctx)            # this rank's slice of tokens

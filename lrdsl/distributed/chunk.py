@@ -3,7 +3,7 @@
 Every recurrence lrdsl compiles updates its state affinely in the state it enters with, column
 by column of V: over a run of tokens X_out = M X_in + B (M [K, K] per value head, from the keys
 and gates alone; B [K, V]). So a rank's pieces need only the state its first piece enters with,
-and that is the earlier ranks' maps chained (docs/design.md, "Context parallelism"):
+and that is the earlier ranks' maps chained (docs/design.md §9):
 
 1. A rank whose last piece continues on a later rank runs the module's own chunk() once on its
    slice with v widened by K zero columns and, for that piece, the initial state [h0 | 0] (it
