@@ -76,7 +76,6 @@ def _token_slice(t, rows, lo, hi):
 
 
 def _rank_main(rank, world, init, out_dir, cases):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -200,7 +199,27 @@ def _ops_call(fn, tensors, h0, **options):
     return getattr(ops, fn)(*tensors, initial_state=h0, output_final_state=True, state_v_first=True, **options)
 
 
-def _ops_rank_main(rank, world, init, out_dir, fns):
+def _layer(seed=SEED):
+    """Qwen3.5's Gated DeltaNet layer, tiny (1 key head read by 2 value heads, K = V = 16, a
+    convolution 4 wide), the same random weights in every process."""
+    from types import SimpleNamespace
+
+    from lrdsl.layers import GatedDeltaNet
+
+    config = SimpleNamespace(hidden_size=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=K,
+                             linear_value_head_dim=V, linear_conv_kernel_dim=4, hidden_act="silu", rms_norm_eps=1e-6)
+    layer = GatedDeltaNet(config, layer_idx=0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(layer.named_parameters()):
+            fan_in = parameter.shape[-1] if parameter.dim() > 1 else 1
+            parameter.copy_(torch.rand(parameter.shape, generator=g) * 2 - 1 if name.endswith("A_log")
+                            else torch.randn(parameter.shape, generator=g) / fan_in**0.5)
+    x, d_out = torch.randn(1, T, 16, generator=g), torch.randn(1, T, 16, generator=g)
+    return layer, x, d_out
+
+
+def _extras_rank_main(rank, world, init, out_dir, fns, layouts):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -215,19 +234,38 @@ def _ops_rank_main(rank, world, init, out_dir, fns):
             torch.save(dict(o=o.detach(), ht=ht.detach(), grads=[t.grad for t in leaves], d_h0=mine.grad,
                             initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids),
                        os.path.join(out_dir, f"{fn}.{rank}.pt"))
+        for layout in layouts:  # the layer: its convolution's halo, then the recurrence
+            layer, x, d_out = _layer()
+            ctx = build_cp_context(torch.tensor(LAYOUTS[layout]), group=None, conv1d_kernel_size=4)
+            lo, hi = rank * ctx.num_tokens, (rank + 1) * ctx.num_tokens
+            mine = x[:, lo:hi].clone().requires_grad_()
+            out = layer(mine, cp_context=ctx)
+            (out * d_out[:, lo:hi]).sum().backward()
+            torch.save(dict(out=out.detach(), dx=mine.grad, params={n: p.grad for n, p in layer.named_parameters()}),
+                       os.path.join(out_dir, f"layer.{layout}.{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+EXTRAS_FNS, EXTRAS_LAYOUTS, EXTRAS_WORLD = ("chunk_gated_delta_rule", "chunk_kda"), ("crossing", "short_sequences"), 2
+
+
+@functools.lru_cache(maxsize=None)
+def _extras_results():
+    """The ops and layer cases, run by one spawn of EXTRAS_WORLD ranks: {name: [per-rank results]}."""
+    names = list(EXTRAS_FNS) + [f"layer.{layout}" for layout in EXTRAS_LAYOUTS]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_extras_rank_main, args=(EXTRAS_WORLD, f"tcp://127.0.0.1:{_free_port()}", out_dir,
+                                                    EXTRAS_FNS, EXTRAS_LAYOUTS),
+                           nprocs=EXTRAS_WORLD, start_method="spawn")
+        return {name: [torch.load(os.path.join(out_dir, f"{name}.{r}.pt")) for r in range(EXTRAS_WORLD)] for name in names}
 
 
 def test_ops_entry_points_take_cp_context():
     """lrdsl.ops' FLA-compatible chunk_gated_delta_rule and chunk_kda with cp_context (and FLA's
     state layout, [N, HV, V, K]) on 2 ranks, against the same call in one process."""
-    fns, world = ("chunk_gated_delta_rule", "chunk_kda"), 2
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_ops_rank_main, args=(world, f"tcp://127.0.0.1:{_free_port()}", out_dir, fns),
-                           nprocs=world, start_method="spawn")
-        results = {fn: [torch.load(os.path.join(out_dir, f"{fn}.{r}.pt")) for r in range(world)] for fn in fns}
-    for fn in fns:
+    results = _extras_results()
+    for fn in EXTRAS_FNS:
         *tensors, h0, d_o, d_ht = _ops_inputs(fn)
         leaves = [t.clone().requires_grad_() for t in tensors]
         h = h0.clone().requires_grad_()
@@ -242,7 +280,26 @@ def test_ops_entry_points_take_cp_context():
         for name, leaf, i in zip("qkvgb", leaves, range(5)):
             errors[f"d_{name}"] = relative_error(torch.cat([r["grads"][i] for r in results[fn]], dim=1), leaf.grad)
         bad = {k: e for k, e in errors.items() if not e <= TOLERANCE[torch.float32]}
-        assert not bad, f"{fn} on {world} ranks: {bad}"
+        assert not bad, f"{fn} on {EXTRAS_WORLD} ranks: {bad}"
+
+
+def test_layer_takes_cp_context():
+    """Qwen3.5's layer with cp_context (the convolution's halo from the earlier rank, the
+    recurrence's entry state) on 2 ranks, against the layer on the whole packed batch in one
+    process: the output, the input's gradient and every parameter's (summed over the ranks)."""
+    results = _extras_results()
+    for layout in EXTRAS_LAYOUTS:
+        layer, x, d_out = _layer()
+        x = x.clone().requires_grad_()
+        out = layer(x, cu_seq_lens_q=torch.tensor(LAYOUTS[layout], dtype=torch.int32))
+        (out * d_out).sum().backward()
+        ranks = results[f"layer.{layout}"]
+        errors = {"out": relative_error(torch.cat([r["out"] for r in ranks], dim=1), out.detach()),
+                  "dx": relative_error(torch.cat([r["dx"] for r in ranks], dim=1), x.grad)}
+        for name, parameter in layer.named_parameters():
+            errors[f"d_{name}"] = relative_error(sum(r["params"][name] for r in ranks), parameter.grad)
+        bad = {k: e for k, e in errors.items() if not e <= TOLERANCE[torch.float32]}
+        assert not bad, f"the layer on {EXTRAS_WORLD} ranks, {layout}: {bad}"
 
 def test_one_line_errors():
     """What context parallelism refuses, each in one line (a group of one rank, in this process)."""
