@@ -324,6 +324,16 @@ def test_one_line_errors():
             "state_pool is not supported": lambda: mod.chunk(*tensors, state_pool=torch.zeros(2, 1, K, V),
                                                              state_indices=torch.tensor([0, 1]), cp_context=ctx),
         }
+        layer, x, _ = _layer()
+        from lrdsl.distributed import causal_conv_with_halo
+        from lrdsl.layers import GatedDeltaNetCache
+
+        refusals.update({
+            "no conv1d_kernel_size": lambda: causal_conv_with_halo(None, x[:, :16], ctx),
+            "built with conv1d_kernel_size=None": lambda: layer(x[:, :16], cp_context=ctx),
+            "with a cache is not supported": lambda: layer(x[:, :16], GatedDeltaNetCache(),
+                                                           cp_context=build_cp_context(cu, conv1d_kernel_size=4)),
+        })
         for message, call in refusals.items():
             with pytest.raises(lrdsl.InputError, match=message) as error:
                 call()
