@@ -9,6 +9,7 @@ modules) once; the ranks write their results to files and this process compares 
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import socket
@@ -39,6 +40,8 @@ LAYOUTS = {
     # a long sequence across ranks between short ones; on 3 ranks the middle one holds only its middle
     "crossing": [0, 7, 45, 48],
 }
+# a collective that never completes (a rank skipping one) fails the test instead of hanging it
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 CORE = ("gdn", "kda", "simple_gla", "rwkv7", "deltanet", "linear_attn")
 
 
@@ -77,7 +80,7 @@ def _token_slice(t, rows, lo, hi):
 
 def _rank_main(rank, world, init, out_dir, cases):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
         for name, layout, states in cases:
             local, cu = T // world, LAYOUTS[layout]
@@ -221,7 +224,7 @@ def _layer(seed=SEED):
 
 def _extras_rank_main(rank, world, init, out_dir, fns, layouts):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
         for fn in fns:
             *tensors, h0, d_o, d_ht = _ops_inputs(fn)
@@ -234,6 +237,16 @@ def _extras_rank_main(rank, world, init, out_dir, fns, layouts):
             torch.save(dict(o=o.detach(), ht=ht.detach(), grads=[t.grad for t in leaves], d_h0=mine.grad,
                             initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids),
                        os.path.join(out_dir, f"{fn}.{rank}.pt"))
+        # two calls, the second reading the first's output, on "crossing": the backward's collectives
+        # (one per call) must run in the same order on every rank, also where a call's maps are zeros
+        rec, tensors, h0, d_o, d_ht = _inputs("gdn", LAYOUTS["crossing"], False)
+        ctx = build_cp_context(torch.tensor(LAYOUTS["crossing"]), group=None)
+        lo, hi = rank * ctx.num_tokens, (rank + 1) * ctx.num_tokens
+        leaves = [t[:, lo:hi].clone().requires_grad_() for t in tensors]
+        o, _ = module("gdn").chunk(*leaves, cp_context=ctx)
+        o, _ = module("gdn").chunk(leaves[0], leaves[1], o, *leaves[3:], cp_context=ctx)
+        (o * d_o[:, lo:hi]).sum().backward()
+        torch.save(dict(o=o.detach(), grads=[t.grad for t in leaves]), os.path.join(out_dir, f"chained.{rank}.pt"))
         for layout in layouts:  # the layer: its convolution's halo, then the recurrence
             layer, x, d_out = _layer()
             ctx = build_cp_context(torch.tensor(LAYOUTS[layout]), group=None, conv1d_kernel_size=4)
@@ -253,7 +266,7 @@ EXTRAS_FNS, EXTRAS_LAYOUTS, EXTRAS_WORLD = ("chunk_gated_delta_rule", "chunk_kda
 @functools.lru_cache(maxsize=None)
 def _extras_results():
     """The ops and layer cases, run by one spawn of EXTRAS_WORLD ranks: {name: [per-rank results]}."""
-    names = list(EXTRAS_FNS) + [f"layer.{layout}" for layout in EXTRAS_LAYOUTS]
+    names = list(EXTRAS_FNS) + ["chained"] + [f"layer.{layout}" for layout in EXTRAS_LAYOUTS]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_extras_rank_main, args=(EXTRAS_WORLD, f"tcp://127.0.0.1:{_free_port()}", out_dir,
                                                     EXTRAS_FNS, EXTRAS_LAYOUTS),
@@ -281,6 +294,22 @@ def test_ops_entry_points_take_cp_context():
             errors[f"d_{name}"] = relative_error(torch.cat([r["grads"][i] for r in results[fn]], dim=1), leaf.grad)
         bad = {k: e for k, e in errors.items() if not e <= TOLERANCE[torch.float32]}
         assert not bad, f"{fn} on {EXTRAS_WORLD} ranks: {bad}"
+
+
+def test_chained_calls():
+    """Two calls, the second's v the first's o, on 2 ranks against the same in one process."""
+    ranks = _extras_results()["chained"]
+    rec, tensors, h0, d_o, d_ht = _inputs("gdn", LAYOUTS["crossing"], False)
+    cu = torch.tensor(LAYOUTS["crossing"], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    o, _ = module("gdn").chunk(*leaves, cu_seqlens=cu)
+    o, _ = module("gdn").chunk(leaves[0], leaves[1], o, *leaves[3:], cu_seqlens=cu)
+    (o * d_o).sum().backward()
+    errors = {"o": relative_error(torch.cat([r["o"] for r in ranks], dim=1), o.detach())}
+    for i, leaf in enumerate(leaves):
+        errors[f"d_{i}"] = relative_error(torch.cat([r["grads"][i] for r in ranks], dim=1), leaf.grad)
+    bad = {k: e for k, e in errors.items() if not e <= TOLERANCE[torch.float32]}
+    assert not bad, f"two chained calls on {EXTRAS_WORLD} ranks: {bad}"
 
 
 def test_layer_takes_cp_context():

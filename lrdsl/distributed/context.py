@@ -24,7 +24,7 @@ class CPContext:
     """This rank's slice of a packed batch (FLA's FLACPContext, plus what initial and final states need).
 
     group, rank, world_size: the process group and this rank in it.
-    cu_seqlens [n + 1] (int32, on the global cu_seqlens' device), cu_seqlens_cpu (its host copy):
+    cu_seqlens [n + 1] (the global cu_seqlens' dtype and device), cu_seqlens_cpu (its host copy):
         the local pieces, in local token offsets: what chunk() runs on. Pass `cu_seqlens=None`
         (or this very tensor) to chunk() with cp_context.
     num_tokens: the local slice's length, T / world_size.
@@ -130,7 +130,7 @@ def build_cp_context(cu_seqlens, group=None, conv1d_kernel_size=None, cu_seqlens
         post += 1
     first = ids[0]
     conv_tokens = 0 if conv1d_kernel_size is None else min(conv1d_kernel_size - 1, lo - bounds[first])
-    local_cpu = torch.tensor(pieces, dtype=torch.int32)
+    local_cpu = torch.tensor(pieces, dtype=cu_seqlens.dtype)  # the global one's dtype (FLA: int64)
     return CPContext(
         group=group, rank=rank, world_size=world,
         cu_seqlens=local_cpu.to(cu_seqlens.device), cu_seqlens_cpu=local_cpu, num_tokens=local,
