@@ -5,9 +5,9 @@ by column of V: over a run of tokens X_out = M X_in + B (M [K, K] per value head
 and gates alone; B [K, V]). So a rank's pieces need only the state its first piece enters with,
 and that is the earlier ranks' maps chained (docs/design.md §9):
 
-1. A rank whose last piece continues on a later rank runs the module's own chunk() once on its
-   slice with v widened by K zero columns and, for that piece, the initial state [h0 | 0] (it
-   starts here) or [0 | I] (it also began on an earlier rank: the rank holds only its middle).
+1. A rank whose last piece continues on a later rank runs the module's own chunk() once on that
+   piece's tokens with v widened by K zero columns and the initial state [h0 | 0] (it starts
+   here) or [0 | I] (it also began on an earlier rank: the rank holds only its middle).
    The widened columns start at I and get no v, so they end at M; the state columns end at B
    (+ M h0): the piece's final state is [B | M], exactly, for every spec, with no per-spec code.
 2. One all_gather of that [HV, K, V + K] map per rank (zeros from the others) on the group.
@@ -85,6 +85,14 @@ class _Anchor(torch.autograd.Function):
         return grad, torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
 
 
+def _last_piece(tensors, inputs, start, T):
+    """q, k, v and the spec's inputs from token `start` on: each per-token tensor's rows from
+    start x its rows per token (several with steps_per_token), the per-head inputs whole.
+    inputs: the module's INPUTS, (name, role) of each input after q, k, v."""
+    roles = ["token", "token", "token"] + [role for _, role in inputs]
+    return [t[:, start * (t.shape[1] // T):] if role.startswith("token") else t for t, role in zip(tensors, roles)]
+
+
 def context_parallel_chunk(ctx, chunk, tensors, options):
     """(o, final states of the sequences ending on this rank) for this rank's slice `tensors`
     (q, k, v and the spec's inputs); `chunk` is the generated module's own chunk()."""
@@ -131,10 +139,12 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         else:  # the sequence starts here: from its own initial state
             start = h0[-1].to(acc) if h0 is not None else torch.zeros(HV, K, V, dtype=acc, device=q.device)
             last = torch.cat([start, torch.zeros(HV, K, K, dtype=acc, device=q.device)], dim=-1)
-        widened_h0 = torch.cat([torch.zeros(n - 1, HV, K, V + K, dtype=acc, device=q.device), last[None]])
-        widened_v = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1)
-        _, states = chunk(q, k, widened_v, *extras, **dict(local, initial_state=widened_h0, output_final_state=True))
-        mine = states[-1].reshape(-1)
+        # on the last piece's tokens only, as one sequence
+        piece = _last_piece(tensors, chunk.__globals__["INPUTS"], int(ctx.cu_seqlens_cpu[-2]), q.shape[1])
+        widened_v = torch.cat([piece[2], piece[2].new_zeros(*piece[2].shape[:-1], K)], dim=-1)
+        _, state = chunk(piece[0], piece[1], widened_v, *piece[3:],
+                         **dict(local, cu_seqlens=None, chunk_indices=None, initial_state=last[None], output_final_state=True))
+        mine = state[0].reshape(-1)
     else:
         mine = torch.zeros(HV * K * (V + K), dtype=acc, device=q.device, requires_grad=training)
     if training:
