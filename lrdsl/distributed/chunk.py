@@ -149,7 +149,8 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         mine = torch.zeros(HV * K * (V + K), dtype=acc, device=q.device, requires_grad=training)
     if training:
         mine = _Tie.apply(mine, *[t for t in inputs if t.requires_grad])
-    # the flag travels with the maps: every rank must agree on whether there is a backward
+    # 2. every rank's map, to every rank. The flag travels with them: the ranks must agree on
+    # whether there is a backward (reading it back is the call's one host synchronisation)
     flag = torch.full((1,), float(training), dtype=acc, device=q.device)
     gathered = _AllGather.apply(torch.cat([mine, flag]), ctx.group, ctx.rank, ctx.world_size)
     flags = gathered[:, -1].detach()
