@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from . import config
+from .distributed import CPContext
 from .errors import InputError
 from .runtime.cache import atomic_write
 
@@ -223,8 +224,11 @@ def chunk_gated_delta_rule(
     Keyword options as in FLA: chunk_size (16, 32, 64; default: the largest whose kernels fit,
     64 for 16-bit inputs up to K = 128, where FLA always takes 64), use_gate_in_kernel with
     A_log [HV] and dt_bias [HV] (g is then the raw gate). g=None: no decay (FLA requires g).
-    state_v_first=True: initial and final states [N, HV, V, K]. cp_context (context
-    parallelism) is not supported and raises. Like FLA's, the backward keeps the solved systems
+    state_v_first=True: initial and final states [N, HV, V, K]. cp_context: context
+    parallelism, lrdsl.distributed.build_cp_context(global cu_seqlens, group) (module.chunk()'s
+    cp_context: the tensors are this rank's slice; cu_seqlens None or cp_context.cu_seqlens;
+    unlike FLA's, with initial_state of the sequences starting on this rank and the final states
+    of those ending on it). Like FLA's, the backward keeps the solved systems
     and recomputes the rest (chunk()'s save_policy="save_states"): the memory a layer keeps for
     its backward stays FLA's; the module's chunk() keeps everything by default (faster, more
     memory kept per layer).
@@ -232,7 +236,7 @@ def chunk_gated_delta_rule(
     fn = "chunk_gated_delta_rule"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _CHUNK_KEYWORDS)
-    _reject_unsupported(fn, cp_context=cp_context)
+    cp_context = _cp_context(fn, cp_context)
     save_policy = _save_policy(fn, False)  # FLA's gated delta rule always recomputes
     chunk_size = kwargs.get("chunk_size")
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
@@ -241,13 +245,14 @@ def chunk_gated_delta_rule(
         fn, g, kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"), kwargs.get("dt_bias"),
         use_beta_sigmoid_in_kernel, allow_neg_eigval)
     module = spec_module(gate, beta_kind, has_dt_bias)
-    chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q)
+    chunks = None if cp_context is not None else _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+                                                              chunk_size, q)
     heads = _head_inputs(fn, kwargs.get("A_log"), kwargs.get("dt_bias"), v, g) if heads else ()
     extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
     return module.chunk(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
-        chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy,
+        chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy, cp_context=cp_context,
     )
 
 
@@ -301,7 +306,6 @@ def fused_recurrent_gated_delta_rule(
 # default (False / None) is what lrdsl computes anyway, so that value is accepted silently.
 _UNSUPPORTED = {
     "return_intermediate_states": "return_intermediate_states (the per-chunk states h) is not supported",
-    "cp_context": "cp_context (context parallelism) is not supported",
     "use_graph": "use_graph (FLA's fixed-shape varlen chunk list for graph capture) is not supported",
     "max_num_seqs": "max_num_seqs (only used with use_graph) is not supported",
 }
@@ -312,6 +316,13 @@ def _reject_unsupported(fn: str, **options) -> None:
     for option, value in options.items():
         if value is not None and value is not False:
             _fail(fn, f"{_UNSUPPORTED[option]}, got {option}={value!r}")
+
+
+def _cp_context(fn: str, cp_context):
+    """cp_context checked: None, or what lrdsl.distributed.build_cp_context returns."""
+    if cp_context is not None and not isinstance(cp_context, CPContext):
+        _fail(fn, f"cp_context must be what lrdsl.distributed.build_cp_context returns, got a {type(cp_context).__name__}")
+    return cp_context
 
 
 def _save_policy(fn: str, disable_recompute) -> str | None:
@@ -415,14 +426,15 @@ def chunk_kda(
     initial and final states [N, HV, V, K]. disable_recompute=True keeps every forward buffer the
     backward reads, so it re-runs no forward kernel (chunk()'s save_policy="save"; more memory,
     the same gradients; eager only: under torch.compile chunk() keeps nothing for its backward).
-    return_intermediate_states, cp_context, use_graph and max_num_seqs are not supported:
-    anything but their defaults raises.
+    cp_context: context parallelism, as in chunk_gated_delta_rule. return_intermediate_states,
+    use_graph and max_num_seqs are not supported: anything but their defaults raises.
     """
     fn = "chunk_kda"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _KDA_CHUNK_KEYWORDS)
-    _reject_unsupported(fn, return_intermediate_states=return_intermediate_states, cp_context=cp_context,
-                        use_graph=use_graph, max_num_seqs=max_num_seqs)
+    _reject_unsupported(fn, return_intermediate_states=return_intermediate_states, use_graph=use_graph,
+                        max_num_seqs=max_num_seqs)
+    cp_context = _cp_context(fn, cp_context)
     bound = _bounded_gate(fn, use_gate_in_kernel, safe_gate, lower_bound)
     save_policy = _save_policy(fn, disable_recompute)
     if g is None:
@@ -435,12 +447,13 @@ def chunk_kda(
         fn, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, bound)
     module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel", lower_bound=bound,
                          has_A_log=A_log is not None)
-    chunks = _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
+    chunks = None if cp_context is not None else _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
     heads = _head_inputs(fn, A_log, dt_bias, v, g, "key_channel") if heads else ()
     return module.chunk(
         q, k, v, g, beta, *heads, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         chunk_size=chunk_size, chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy,
+        cp_context=cp_context,
     )
 
 

@@ -65,7 +65,10 @@ VERIFY_OPTIONS = (
     ("out", "None"),
     ("draft", "None"),
 )
-ALL_OPTIONS = RECURRENT_OPTIONS + CHUNK_OPTIONS + VERIFY_OPTIONS
+# chunk() only: context parallelism (lrdsl.distributed.build_cp_context), which runs chunk() itself
+# on the rank's slice, so it is not among the options passed on to the private functions
+CP_OPTIONS = (("cp_context", "None"),)
+ALL_OPTIONS = RECURRENT_OPTIONS + CHUNK_OPTIONS + CP_OPTIONS + VERIFY_OPTIONS
 
 
 def input_pointer(name: str) -> str:

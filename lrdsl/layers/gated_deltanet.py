@@ -176,7 +176,12 @@ class GatedDeltaNet(nn.Module):
         # transformers' names for the same things: the deprecated cache keyword, packed sequences
         cache = kwargs.pop("cache_params", None) if cache is None else cache
         cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+        cp_context = kwargs.pop("cp_context", None)  # context parallelism: lrdsl.distributed.build_cp_context
         self._check_input(hidden_states, attention_mask, cu_seqlens, cache)
+        if cp_context is not None:
+            if attention_mask is not None:
+                raise InputError("GatedDeltaNet: cp_context takes packed sequences (its cu_seqlens), not an attention_mask")
+            return self._mix(hidden_states, cache, cu_seqlens, cp_context)
         B, T, _ = hidden_states.shape
         kept = None
         if attention_mask is not None and not bool(attention_mask.bool().all()):
@@ -207,17 +212,22 @@ class GatedDeltaNet(nn.Module):
             if getattr(cache, "is_recording_past", lambda _: False)(self.layer_idx):
                 raise InputError("GatedDeltaNet: a cache recording past convolution inputs (for cropping) is not supported")
 
-    def _mix(self, x: torch.Tensor, cache, cu_seqlens):
+    def _mix(self, x: torch.Tensor, cache, cu_seqlens, cp_context=None):
         """The layer on unpadded tokens x [B, T, hidden] (B == 1 with cu_seqlens)."""
         B, T, _ = x.shape
         o = self.mix_projections(self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x),
-                                 cache=cache, cu_seqlens=cu_seqlens)
+                                 cache=cache, cu_seqlens=cu_seqlens, cp_context=cp_context)
         return self.out_proj(o.reshape(B, T, self.value_dim))
 
-    def mix_projections(self, mixed_qkv, z, a, b, cache=None, cu_seqlens=None):
+    def mix_projections(self, mixed_qkv, z, a, b, cache=None, cu_seqlens=None, cp_context=None):
         """The part of the layer that runs on lrdsl's kernels, from the projections' outputs
         (mixed_qkv [B, T, conv_dim], z [B, T, value_dim], a and b [B, T, HV]) to the gated norm's
-        output [B, T, HV, V]: short convolution + SiLU, the gated delta rule, RMSNorm x SiLU(z)."""
+        output [B, T, HV, V]: short convolution + SiLU, the gated delta rule, RMSNorm x SiLU(z).
+        cp_context: this rank's slice of a packed batch (lrdsl.distributed.build_cp_context with
+        conv1d_kernel_size=linear_conv_kernel_dim): the convolution reads its halo from the earlier
+        ranks, the recurrence its entry state (no cache)."""
+        if cp_context is not None:
+            return self._mix_context_parallel(mixed_qkv, z, a, b, cache, cu_seqlens, cp_context)
         kernels = layer_kernels()
         recurrence = recurrence_module()
         B, T, _ = mixed_qkv.shape
@@ -246,6 +256,28 @@ class GatedDeltaNet(nn.Module):
                            output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         if cache is not None:
             self._store(cache, new_window, new_state)
+        return self.norm(o, z.reshape(B, T, self.num_v_heads, self.head_v_dim))
+
+    def _mix_context_parallel(self, mixed_qkv, z, a, b, cache, cu_seqlens, ctx):
+        """mix_projections on this rank's slice (lrdsl.distributed: the convolution's halo, the state maps)."""
+        from ..distributed.halo import causal_conv_with_halo
+
+        if cache is not None:
+            raise InputError("GatedDeltaNet: cp_context with a cache is not supported (a prefill split over ranks)")
+        if ctx.conv1d_kernel_size != self.conv_kernel_size:
+            raise InputError(f"GatedDeltaNet: cp_context was built with conv1d_kernel_size={ctx.conv1d_kernel_size}, "
+                             f"the layer's convolution is {self.conv_kernel_size} wide")
+        if cu_seqlens is not None and cu_seqlens is not ctx.cu_seqlens:
+            raise InputError("GatedDeltaNet: with cp_context pass no cu_seqlens (the context holds this rank's)")
+        kernels, weight, bias = layer_kernels(), self.conv1d.weight, self.conv1d.bias
+        mixed = causal_conv_with_halo(lambda x, cu: kernels.short_conv(x, weight, bias, cu_seqlens=cu)[0], mixed_qkv, ctx)
+        B, T, _ = mixed_qkv.shape
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        o, _ = recurrence_module().chunk(q, k, v, a, b, self.A_log, self.dt_bias, use_qk_l2norm_in_kernel=True,
+                                         save_policy=self.save_policy, cp_context=ctx)
         return self.norm(o, z.reshape(B, T, self.num_v_heads, self.head_v_dim))
 
     def _store(self, cache, window, state) -> None:

@@ -1,0 +1,189 @@
+"""chunk(..., cp_context=ctx): a generated module's chunk() on one rank's slice of a packed batch.
+
+Every recurrence lrdsl compiles updates its state affinely in the state it enters with, column
+by column of V: over a run of tokens X_out = M X_in + B (M [K, K] per value head, from the keys
+and gates alone; B [K, V]). So a rank's pieces need only the state its first piece enters with,
+and that is the earlier ranks' maps chained (docs/design.md §9):
+
+1. A rank whose last piece continues on a later rank runs the module's own chunk() once on that
+   piece's tokens with v widened by K zero columns and the initial state [h0 | 0] (it starts
+   here) or [0 | I] (it also began on an earlier rank: the rank holds only its middle).
+   The widened columns start at I and get no v, so they end at M; the state columns end at B
+   (+ M h0): the piece's final state is [B | M], exactly, for every spec, with no per-spec code.
+2. One all_gather of that [HV, K, V + K] map per rank (zeros from the others) on the group.
+3. Each rank whose first piece continues chains the maps of the ranks before it, in the
+   accumulation dtype, from the sequence's first rank: X = B_r + M_r X, and runs its ordinary
+   chunk() with X as its first piece's initial state.
+The backward is autograd through these steps: the all_gather's backward is an all_reduce of the
+gradients of the gathered maps, which hands every rank the gradient of its own map, and with it
+the gradient of the state its last piece leaves (d(initial state) of the next rank's first
+piece). Two markers keep every rank's backward calling that all_reduce, once, in the same order
+as the others: the gathered maps are tied to o (so the backward reaches them on every rank), and
+the rank's own map is tied to the call's inputs (so the backward of an earlier layer waits for
+this one's exchange).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InputError
+
+# options of chunk() that context parallelism cannot honour, with why
+_REFUSED = {
+    "state_pool": "a state pool (serving) is not split across ranks",
+    "state_indices": "a state pool (serving) is not split across ranks",
+}
+
+
+def _fail(spec: str, message: str):
+    raise InputError(f"{spec}.chunk: cp_context: {message}")
+
+
+class _AllGather(torch.autograd.Function):
+    """[W, ...] of every rank's x; the backward all_reduces the gradient and keeps this rank's row."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, world):
+        ctx.group, ctx.rank = group, rank
+        rows = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(rows, x.detach().contiguous(), group=group)
+        return torch.stack(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad[ctx.rank], None, None, None
+
+
+class _Tie(torch.autograd.Function):
+    """x, unchanged, made to depend on `others` (no gradient to them): the backward of whatever
+    produced them then runs only after x's own backward (the collective) has run."""
+
+    @staticmethod
+    def forward(ctx, x, *others):
+        ctx.count = len(others)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + (None,) * ctx.count
+
+
+class _Anchor(torch.autograd.Function):
+    """o, unchanged, made to depend on the gathered maps, so that every rank's backward from o
+    reaches the all_gather (the collective must run on all ranks), even where o does not read them."""
+
+    @staticmethod
+    def forward(ctx, o, gathered):
+        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
+
+
+def _last_piece(tensors, inputs, start, T):
+    """q, k, v and the spec's inputs from token `start` on: each per-token tensor's rows from
+    start x its rows per token (several with steps_per_token), the per-head inputs whole.
+    inputs: the module's INPUTS, (name, role) of each input after q, k, v."""
+    roles = ["token", "token", "token"] + [role for _, role in inputs]
+    return [t[:, start * (t.shape[1] // T):] if role.startswith("token") else t for t, role in zip(tensors, roles)]
+
+
+def context_parallel_chunk(ctx, chunk, tensors, options):
+    """(o, final states of the sequences ending on this rank) for this rank's slice `tensors`
+    (q, k, v and the spec's inputs); `chunk` is the generated module's own chunk()."""
+    spec = chunk.__globals__.get("SPEC_NAME", "module")
+    q, k, v, *extras = tensors
+    for name, why in _REFUSED.items():
+        if options.get(name) is not None:
+            _fail(spec, f"{name} is not supported: {why}")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or q.dim() != 4 or v.dim() != 4:
+        _fail(spec, "q, k, v must be 4-D tensors [1, T, heads, dim]")
+    if q.shape[0] != 1:
+        _fail(spec, f"B must be 1 (one packed row per rank, sequences in cu_seqlens), got B={q.shape[0]}")
+    if q.shape[1] != ctx.num_tokens:
+        _fail(spec, f"q has T={q.shape[1]} tokens but this rank's slice holds {ctx.num_tokens} "
+                    f"(the global cu_seqlens' {ctx.num_tokens * ctx.world_size} over {ctx.world_size} ranks)")
+    cu = options.get("cu_seqlens")
+    if cu is not None and cu is not ctx.cu_seqlens and not (
+            isinstance(cu, torch.Tensor) and cu.shape == ctx.cu_seqlens.shape
+            and torch.equal(cu.detach().cpu().long(), ctx.cu_seqlens_cpu.long())):
+        _fail(spec, "cu_seqlens disagrees with the context: pass cu_seqlens=None or cp_context.cu_seqlens "
+                    "(this rank's pieces, not the global cu_seqlens)")
+    v_first = bool(options.get("state_v_first"))
+    h0 = options.get("initial_state")
+    starting = len(ctx.initial_state_ids)
+    if h0 is not None:
+        if not isinstance(h0, torch.Tensor) or h0.dim() != 4 or h0.shape[0] != starting:
+            got = list(h0.shape) if isinstance(h0, torch.Tensor) else type(h0).__name__
+            _fail(spec, f"initial_state must hold the {starting} sequences starting on this rank "
+                        f"(cp_context.initial_state_ids), got {got}")
+        if v_first:
+            h0 = h0.transpose(-1, -2)  # K-first inside: the maps act on the key axis
+    local = dict(options, cu_seqlens=ctx.cu_seqlens, state_v_first=False, state_pool=None, state_indices=None)
+    K, n = k.shape[-1], len(ctx.sequence_ids)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    HV, V = v.shape[2], v.shape[3]
+    inputs = [t for t in (*tensors, h0) if isinstance(t, torch.Tensor)]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+    # 1. this rank's map: the final state of its last piece, [B | M], where that piece continues
+    if ctx.post_num_ranks:
+        if ctx.pre_num_ranks and n == 1:  # only the middle of a sequence: its map from any entry
+            last = torch.cat([torch.zeros(HV, K, V, dtype=acc, device=q.device),
+                              torch.eye(K, dtype=acc, device=q.device).expand(HV, K, K)], dim=-1)
+        else:  # the sequence starts here: from its own initial state
+            start = h0[-1].to(acc) if h0 is not None else torch.zeros(HV, K, V, dtype=acc, device=q.device)
+            last = torch.cat([start, torch.zeros(HV, K, K, dtype=acc, device=q.device)], dim=-1)
+        # on the last piece's tokens only, as one sequence
+        declared = chunk.__globals__["INPUTS"]
+        piece = _last_piece(tensors, declared, int(ctx.cu_seqlens_cpu[-2]), q.shape[1])
+        # v and the inputs per value channel (a written value's w) widened by K columns: the
+        # state's columns evolve apart, and a zero v column writes nothing whatever w is there
+        value_roles = [False, False, True] + [role == "token_value" for _, role in declared]
+        widened = [torch.cat([t, t.new_zeros(*t.shape[:-1], K)], dim=-1) if per_value else t
+                   for t, per_value in zip(piece, value_roles)]
+        _, state = chunk(*widened,
+                         **dict(local, cu_seqlens=None, chunk_indices=None, initial_state=last[None], output_final_state=True))
+        mine = state[0].reshape(-1)
+    else:
+        mine = torch.zeros(HV * K * (V + K), dtype=acc, device=q.device, requires_grad=training)
+    if training:
+        mine = _Tie.apply(mine, *[t for t in inputs if t.requires_grad])
+    # 2. every rank's map, to every rank. The flag travels with them: the ranks must agree on
+    # whether there is a backward (reading it back is the call's one host synchronisation)
+    flag = torch.full((1,), float(training), dtype=acc, device=q.device)
+    gathered = _AllGather.apply(torch.cat([mine, flag]), ctx.group, ctx.rank, ctx.world_size)
+    flags = gathered[:, -1].detach()
+    if bool((flags != flags[0]).any()):
+        _fail(spec, f"ranks disagree on gradients (inputs needing them on ranks {flags.nonzero().flatten().tolist()} "
+                    f"only): every rank of the group must run the backward, or none")
+    maps = gathered[:, :-1].reshape(ctx.world_size, HV, K, V + K)
+
+    # 3. the state this rank's first piece enters with: the earlier ranks' maps chained
+    entry = None
+    if ctx.pre_num_ranks:
+        first = ctx.rank - ctx.pre_num_ranks  # the sequence's first rank: its map holds no M
+        entry = maps[first, ..., :V]
+        for r in range(first + 1, ctx.rank):  # ranks holding only its middle
+            entry = maps[r, ..., :V] + torch.matmul(maps[r, ..., V:], entry)
+    rest = h0.to(acc) if h0 is not None else None
+    if entry is not None:
+        if rest is None and n > 1:
+            rest = torch.zeros(n - 1, HV, K, V, dtype=acc, device=q.device)
+        initial = entry[None] if rest is None else torch.cat([entry[None], rest])
+    else:
+        initial = rest
+    want_final = bool(options.get("output_final_state"))
+    o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial, output_final_state=want_final))
+    if training:
+        o = _Anchor.apply(o, gathered)
+    if ht is not None:
+        ht = ht[: len(ctx.final_state_ids)]  # the last piece's state, when it continues, is not a final state
+        if v_first:
+            ht = ht.transpose(-1, -2).contiguous()
+    return o, ht
