@@ -42,6 +42,9 @@ PHASES = {
     "flashqla": (["gdn"], "1x32768x16x64,4x8192x16x64"),
     "family-a": (["gdn", "gdn_qwen35", "deltanet", "simple_gla"], FAMILY),
     "family-b": (["kda", "gla", "rwkv7"], FAMILY),
+    # FLA's hand-written delta-rule variants (its compile of their backward takes minutes: a phase
+    # of their own)
+    "family-c": (["comba", "gdn2", "gated_deltaproduct"], FAMILY),
     "decode": (["gdn"], "decode"),
 }
 

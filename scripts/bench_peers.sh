@@ -16,6 +16,7 @@
 #   bash scripts/bench_peers.sh flashqla             # gdn at FlashQLA's shapes: 1x32768 and 4x8192 at 16/64
 #   bash scripts/bench_peers.sh family-a decode      # gdn, gdn_qwen35, deltanet, simple_gla; gdn decode
 #   bash scripts/bench_peers.sh family-b             # kda, gla, rwkv7
+#   bash scripts/bench_peers.sh family-c             # comba, gdn2, gated_deltaproduct
 #
 # then, on any machine: lrdsl bench --from-json OUT/*.json --json all.json --plot all.png
 # BENCH_DEADLINE_S (default 420): no new (spec, shape) starts after that many seconds.

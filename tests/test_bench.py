@@ -43,6 +43,7 @@ class FakeFla:
         record = self._record
         gdn, deltanet, simple_gla = recurrence("gdn"), recurrence("deltanet"), recurrence("simple_gla")
         kda, gla, rwkv7 = recurrence("kda"), recurrence("gla"), recurrence("rwkv7")
+        comba, gdn2, deltaproduct = recurrence("comba"), recurrence("gdn2"), recurrence("gated_deltaproduct")
 
         def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -122,6 +123,40 @@ class FakeFla:
             record("fused_recurrent_rwkv7", locals())
             return _as_fla(rwkv7, r, k, v, [w, a, b], scale, initial_state, output_final_state, False)
 
+        # fla-core 0.6.0's comba, gdn2 and gated_delta_product signatures (fused_recurrent_comba
+        # takes p third, chunk_comba fourth; FLA's gated_delta_product has no recurrent form)
+        def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None):
+            record("chunk_comba", locals())
+            return _as_fla(comba, q, k, v, [p, beta, g], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def fused_recurrent_comba(q, k, p, v, g, beta=None, scale=None, initial_state=None, output_final_state=False,
+                                  use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+            record("fused_recurrent_comba", locals())
+            return _as_fla(comba, q, k, v, [p, beta, g], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                       safe_gate=False, lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+                       state_v_first=False, **kwargs):
+            record("chunk_gdn2", locals())
+            return _as_fla(gdn2, q, k, v, [g, b, w], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def fused_recurrent_gdn2(q, k, v, g, b, w, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                                 output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                 lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs):
+            record("fused_recurrent_gdn2", locals())
+            return _as_fla(gdn2, q, k, v, [g, b, w], scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+        def chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None,
+                                      output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                                      cu_seqlens_cpu=None, cp_context=None):
+            record("chunk_gated_delta_product", locals())
+            if num_householder != deltaproduct.steps_per_token:
+                raise ValueError(f"this fake computes {deltaproduct.steps_per_token} steps per token")
+            return _as_fla(deltaproduct, q, k, v, [g, beta], scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel)
+
         self.modules = {}
         for package, functions in {
             "fla.ops.gated_delta_rule": (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule),
@@ -130,6 +165,9 @@ class FakeFla:
             "fla.ops.kda": (chunk_kda, fused_recurrent_kda),
             "fla.ops.gla": (chunk_gla, fused_recurrent_gla),
             "fla.ops.rwkv7": (chunk_rwkv7, fused_recurrent_rwkv7),
+            "fla.ops.comba": (chunk_comba, fused_recurrent_comba),
+            "fla.ops.gdn2": (chunk_gdn2, fused_recurrent_gdn2),
+            "fla.ops.gated_delta_product": (chunk_gated_delta_product,),
         }.items():
             fake = types.ModuleType(package)
             for function in functions:
@@ -187,7 +225,14 @@ EXPECTED_PARAMETERS = {
     "kda": {"g": "g", "beta": "beta"},
     "gla": {"g": "g"},
     "rwkv7": {"w": "w", "a": "a", "b": "b"},
+    # comba's read vector p goes to p (fused_recurrent_comba takes it third, chunk_comba fourth);
+    # gdn2's b and w, which its functions multiply into b * k and w * v themselves, to b and w
+    "comba": {"p": "p", "beta": "beta", "g": "g"},
+    "gdn2": {"g": "g", "b": "b", "w": "w"},
+    "gated_deltaproduct": {"g": "g", "beta": "beta"},
 }
+# FLA ships no recurrent form of these (no decode-row peer)
+NO_FLA_RECURRENT = {"gated_deltaproduct"}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))
@@ -195,6 +240,9 @@ EXPECTED_PARAMETERS = {
 def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decode, fake_fla, generator):
     rec = recurrence(name)
     baseline = bench.fla_baseline(rec)
+    if decode and name in NO_FLA_RECURRENT:
+        assert baseline.recurrent is None and bench.resolve_fla(baseline, fake_fla.importer)[1] is None
+        return
     fla_chunk, fla_recurrent = bench.resolve_fla(baseline, fake_fla.importer)
     function, fla_function = (baseline.recurrent, fla_recurrent) if decode else (baseline.chunk, fla_chunk)
     l2norm = function.l2norm
@@ -225,6 +273,7 @@ def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decod
     assert passed.get("use_gate_in_kernel", False) is in_kernel and passed.get("use_beta_sigmoid_in_kernel", False) is in_kernel
     # nothing fell into **kwargs but what fla-core 0.6.0's chunk_gated_delta_rule reads from there
     assert set(arguments.get("kwargs", {})) == ({"use_gate_in_kernel", "A_log", "dt_bias"} if in_kernel and not decode else set())
+    assert arguments.get("num_householder", 1) == rec.steps_per_token
 
     ref_o, ref_state = reference.run(rec, *call.tensors, scale=call.scale, initial_state=call.initial_state,
                                      output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
@@ -255,8 +304,12 @@ def test_specs_without_an_fla_counterpart_are_recognised():
     assert bench.fla_baseline(recurrence("linear_attn")) is None
     assert bench.fla_baseline(recurrence("kda_neg_eigval")) is None  # beta = 2 sigmoid(b): FLA takes beta
     assert bench.fla_baseline(recurrence("kda_fused_gate")) is None
-    # gdn's recurrence with two steps per token: not chunk_gated_delta_rule's (k of T * 2 rows)
-    assert bench.fla_baseline(recurrence("gated_deltaproduct")) is None
+    # gdn's recurrence with two steps per token is chunk_gated_delta_product's (k of T * 2 rows),
+    # never chunk_gated_delta_rule's; and gdn's is never the product's
+    assert bench.fla_baseline(recurrence("gated_deltaproduct")).chunk.name == "chunk_gated_delta_product"
+    assert bench.fla_baseline(recurrence("gdn")).chunk.name == "chunk_gated_delta_rule"
+    # comba's delta rule reads along p: not chunk_gated_delta_rule's (which has no p)
+    assert bench.fla_baseline(recurrence("comba")).chunk.name == "chunk_comba"
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), FakeFla().importer) is not None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), _no_fla) is None
 
@@ -872,7 +925,8 @@ def test_family_covers_every_shipped_spec_with_an_fla_counterpart():
         rec = recurrence(path.stem)
         if bench.fla_baseline(rec) is not None:
             counterparts[rec.name] = rec
-    assert set(counterparts) == {"gdn", "gdn_qwen35", "deltanet", "simple_gla", "kda", "gla", "rwkv7"}
+    assert set(counterparts) == {"gdn", "gdn_qwen35", "deltanet", "simple_gla", "kda", "gla", "rwkv7", "comba", "gdn2",
+                                 "gated_deltaproduct"}
     assert bench.parse_shapes("family") == list(bench.FAMILY_SHAPES)
     family = bench.FAMILY_SHAPES[0]
     tiny = Shape(1, 6, 2, 2, 8, 8)  # the family's layout (H = HV) at a size the CPU oracle runs in a blink
@@ -886,7 +940,8 @@ def test_family_covers_every_shipped_spec_with_an_fla_counterpart():
             group = [(r.impl, r.ok, bool(r.ratios)) for r in rows if r.spec == name and r.mode == mode]
             assert group == [("fla-triton", True, False), ("lrdsl", True, True)], (name, mode, rows)
     called = {name for name, _ in fake.calls}
-    assert {"chunk_delta_rule", "chunk_simple_gla", "chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_rwkv7"} <= called
+    assert {"chunk_delta_rule", "chunk_simple_gla", "chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_rwkv7",
+            "chunk_comba", "chunk_gdn2", "chunk_gated_delta_product"} <= called
 
 
 def test_bench_peers_phases_cover_every_spec_with_an_fla_counterpart_and_issue_45s_shapes():
@@ -1009,7 +1064,8 @@ def test_bench_command_errors_are_one_line_before_any_gpu_work(tmp_path, capsys)
 def test_all_picks_every_spec_with_an_fla_counterpart(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     args = cli.build_parser().parse_args(["bench", "--all"])
-    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gdn.toml", "specs/gdn_qwen35.toml", "specs/gla.toml",
+    assert cli._bench_spec_paths(args) == ["specs/comba.toml", "specs/deltanet.toml", "specs/gated_deltaproduct.toml",
+                                           "specs/gdn.toml", "specs/gdn2.toml", "specs/gdn_qwen35.toml", "specs/gla.toml",
                                            "specs/kda.toml", "specs/rwkv7.toml", "specs/simple_gla.toml"]
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LrdslError, match="no spec in ./specs has an FLA counterpart"):
@@ -1062,3 +1118,28 @@ def test_serving_rows_on_gpu_include_graph_replays():
     serving = [r for r in rows if r.mode.split(" graph")[0] in bench.SERVING_CALLS]
     assert [r.mode for r in serving] == [m + suffix for m in bench.SERVING_CALLS for suffix in ("", " graph")]
     assert all(r.ok and r.ms > 0 and r.err_vs_oracle <= 8e-3 for r in serving), [r.reason for r in serving]
+
+
+def test_the_oracle_prefix_of_a_spec_with_several_steps_per_token_keeps_every_step_of_its_tokens(generator):
+    """gated_deltaproduct's k, v and beta hold two rows per token: the gate's prefix of 5 tokens
+    is 10 of theirs and 5 of q's and g's (it cut all to 5 rows, and the oracle refused beta's
+    shape, so `lrdsl bench specs/gated_deltaproduct.toml` failed before timing anything)."""
+    rec = recurrence("gated_deltaproduct")
+    call = tiny_call(rec, Shape(2, 8, 1, 2, 8, 8), generator)
+    q, k, v, g, beta = call.prefix(rec, 1, 5).tensors
+    assert (q.shape[1], k.shape[1], v.shape[1], g.shape[1], beta.shape[1]) == (5, 10, 10, 5, 10)
+    assert torch.equal(k, call.tensors[1][:1, :10]) and torch.equal(beta, call.tensors[4][:1, :10])
+    specs = [bench.SpecUnderTest(rec.name, rec, _oracle_module(rec))]
+    rows = bench.bench(specs, [Shape(1, 6, 1, 2, 8, 8)], backward=True, device="cpu", dtype=torch.float32,
+                       seed=int(torch.seed() % 2**31), importer=FakeFla().importer)
+    assert [(r.impl, r.mode, r.ok) for r in rows] == [("fla-triton", "fwd", True), ("lrdsl", "fwd", True),
+                                                      ("fla-triton", "fwd+bwd", True), ("lrdsl", "fwd+bwd", True)]
+
+
+def test_decode_rows_of_a_spec_whose_fla_counterpart_has_no_recurrent_form_have_no_fla_column(generator):
+    rec = recurrence("gated_deltaproduct")
+    specs = [bench.SpecUnderTest(rec.name, rec, _oracle_module(rec))]
+    fake = FakeFla()
+    rows = bench.bench(specs, [Shape(2, 1, 1, 2, 8, 8)], backward=False, device="cpu", dtype=torch.float32,
+                       seed=int(torch.seed() % 2**31), importer=fake.importer)
+    assert [(r.impl, r.ok) for r in rows] == [("lrdsl", True)] and fake.calls == []

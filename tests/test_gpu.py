@@ -101,13 +101,14 @@ def test_gpu_chunk_bf16(name, plan, chunk_size, generator):
     _forward(name, "chunk", VARLEN, generator, plan=plan, chunk_size=chunk_size)
 
 
-# specs whose forward without a chunk size may run the kernels up to the scan at half the output's
-# chunk size (plan rule 6: SMALLER_SCAN_CHUNKS, at a default of 64)
-SPLIT_SPECS = [n for n in CHUNKED if module(n).SMALLER_SCAN_CHUNKS["split"] and module(n).FORWARD_CHUNK_SIZE["split", "input"] == 64]
+# (spec, plan) whose forward without a chunk size may run the kernels up to the scan at half the
+# output's chunk size (plan rule 6: SMALLER_SCAN_CHUNKS, at a default of 64). Per plan: a plan's
+# default chunk size is its own (comba's fused plan takes 32, its split plan 64)
+SPLIT_SCANS = [(n, plan) for n in CHUNKED for plan in ("fused", "split")
+               if module(n).SMALLER_SCAN_CHUNKS[plan] and module(n).FORWARD_CHUNK_SIZE[plan, "input"] == 64]
 
 
-@pytest.mark.parametrize("plan", ["fused", "split"])
-@pytest.mark.parametrize("name", SPLIT_SPECS)
+@pytest.mark.parametrize("name, plan", SPLIT_SCANS)
 def test_gpu_scan_at_half_the_output_chunk_size(name, plan, generator, monkeypatch):
     """The scan at 32 keeping one entry state per output chunk of 64, fixed-length and packed (an
     empty sequence, one token, odd lengths): the rule forced by reporting one multiprocessor."""

@@ -31,11 +31,13 @@ class Call:
     def prefix(self, rec: Recurrence, sequences: int, tokens: int) -> Call:
         """The same call on the first `sequences` sequences' first `tokens` tokens."""
 
-        def cut(x, per_token=True):
-            return x[:sequences, :tokens].contiguous() if per_token else x
+        def cut(x, per_token=True, rows_per_token=1):
+            return x[:sequences, :tokens * rows_per_token].contiguous() if per_token else x
 
         q, k, v, *extras = self.tensors
-        sliced = [cut(q), cut(k), cut(v)] + [cut(x, i.role.per_token) for i, x in zip(rec.inputs, extras)]
+        steps = rec.steps_per_token  # k, v and the inputs of the steps hold one row per step
+        sliced = [cut(q), cut(k, rows_per_token=steps), cut(v, rows_per_token=steps)]
+        sliced += [cut(x, i.role.per_token, rec.rows_per_token(i)) for i, x in zip(rec.inputs, extras)]
         return replace(
             self,
             tensors=tuple(sliced),

@@ -55,6 +55,9 @@ class FlaFunction:
     # reads use_gate_in_kernel, A_log and dt_bias there): accepted by the signature check, and a
     # version that ignored them would compute another recurrence, which the oracle gate fails
     from_kwargs: tuple = ()
+    # the keyword that takes the number of delta-rule steps per token (FLA's num_householder);
+    # a function without one computes one step per token
+    steps_keyword: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class DirectPeer:
 class FlaBaseline:
     module: str
     chunk: FlaFunction
-    recurrent: FlaFunction
+    recurrent: FlaFunction | None  # None: FLA has no recurrent form (decode rows get no FLA column)
     direct: tuple = ()  # DirectPeers of the chunk function (training shapes)
 
 
@@ -83,6 +86,8 @@ class FlaBaseline:
 # nothing is passed by position.
 _GATE_AND_BETA = {"gate": "g", "beta": "beta"}
 _RWKV7_ROLES = {"gate": "w", "read": "a", "write": "b"}
+_COMBA_ROLES = {"gate": "g", "beta": "beta", "delta_read": "p"}
+_GDN2_FORM = dict(formulas={"gate": "g", "delta_read": "b * k", "write_value": "w * v"})
 # FlashQLA 0.1.3's entry point, with the options FLA's FlashQLA backend passes (no varlen,
 # intra-card context parallelism on)
 FLASH_QLA = DirectPeer(FLASHQLA_DIRECT, "flash_qla", FlaFunction("chunk_gated_delta_rule", _GATE_AND_BETA),
@@ -106,6 +111,20 @@ FLA_BASELINES = {
             FlaFunction("chunk_gated_delta_rule", **_GDN_IN_KERNEL, from_kwargs=("use_gate_in_kernel", "A_log", "dt_bias")),
             FlaFunction("fused_recurrent_gated_delta_rule", **_GDN_IN_KERNEL),
         ),
+        # Comba: the delta rule reads the state along its own p (fused_recurrent_comba takes p
+        # third, so again nothing by position)
+        FlaBaseline(
+            "fla.ops.comba",
+            FlaFunction("chunk_comba", _COMBA_ROLES),
+            FlaFunction("fused_recurrent_comba", _COMBA_ROLES),
+        ),
+        # Gated DeltaProduct: k, v and beta of num_householder steps per token; FLA ships no
+        # recurrent form of it
+        FlaBaseline(
+            "fla.ops.gated_delta_product",
+            FlaFunction("chunk_gated_delta_product", _GATE_AND_BETA, steps_keyword="num_householder"),
+            None,
+        ),
     ),
     ("none", "delta", True): (FlaBaseline(
         "fla.ops.delta_rule",
@@ -122,6 +141,13 @@ FLA_BASELINES = {
         "fla.ops.kda",
         FlaFunction("chunk_kda", _GATE_AND_BETA),
         FlaFunction("fused_recurrent_kda", _GATE_AND_BETA),
+    ),),
+    # GDN-2: key-channel decay g, the delta rule reading along b * k and writing w * v (its
+    # functions form both products themselves from b and w)
+    ("key_channel", "delta", False): (FlaBaseline(
+        "fla.ops.gdn2",
+        FlaFunction("chunk_gdn2", **_GDN2_FORM),
+        FlaFunction("fused_recurrent_gdn2", **_GDN2_FORM),
     ),),
     ("key_channel", "plain", False): (FlaBaseline(
         "fla.ops.gla",
@@ -166,25 +192,29 @@ def input_parameters(rec: Recurrence, function: FlaFunction) -> dict | None:
 def _match_in_kernel_form(rec: Recurrence, function: FlaFunction) -> dict | None:
     """The renaming of the spec's inputs to the function's parameters under which the spec's
     formulas are the function's in-kernel formulas, symbol for symbol; per-head inputs go to
-    per-head parameters, per-token scalars to the others. None if there is none."""
+    per-head parameters, per-token ones (scalars, key or value rows) to the others. None if there
+    is none."""
     expressions = {role: expr for role, expr in _role_expressions(rec).items() if expr is not None}
     if set(expressions) != set(function.formulas):
         return None
     forms = {role: parse_formula(text, _formula_names(text)) for role, text in function.formulas.items()}
-    parameters = sorted({str(s) for form in forms.values() for s in form.free_symbols})
+    parameters = sorted({str(s) for form in forms.values() for s in form.free_symbols} - _CALL_TENSORS)
     names = [i.name for i in rec.inputs]
     if len(parameters) != len(names):
         return None
     wanted_roles = {i.name: i.role for i in rec.inputs}
     for order in itertools.permutations(parameters):
         mapping = dict(zip(names, order))
-        kinds = [InputRole.HEAD if mapping[n] in function.head_parameters else InputRole.TOKEN for n in names]
-        if any(wanted_roles[n] != kind for n, kind in zip(names, kinds)):
+        if any((wanted_roles[n] is InputRole.HEAD) != (mapping[n] in function.head_parameters) for n in names):
             continue
         renamed = {sympy.Symbol(n): sympy.Symbol(p) for n, p in mapping.items()}
         if all(expressions[role].xreplace(renamed) == form for role, form in forms.items()):
             return mapping
     return None
+
+
+# what a formula may read besides the spec's inputs (GDN-2's b * k): passed as themselves
+_CALL_TENSORS = {"q", "k", "v"}
 
 
 def _formula_names(text: str) -> set[str]:
@@ -194,12 +224,12 @@ def _formula_names(text: str) -> set[str]:
 
 def fla_baseline(rec: Recurrence) -> FlaBaseline | None:
     """The FLA counterpart of this recurrence, or None (no match, or inputs FLA cannot take)."""
-    if rec.steps_per_token > 1:
-        # k, v and beta of several steps per token: none of the functions above takes them (FLA's
-        # chunk_gated_delta_product has no recurrent counterpart for the decode rows)
-        return None
     for baseline in FLA_BASELINES.get((rec.gate.value, rec.update.value, rec.has_beta), ()):
-        if all(input_parameters(rec, f) is not None for f in (baseline.chunk, baseline.recurrent)):
+        # k, v and beta of several steps per token go only to a function that takes the count
+        if (baseline.chunk.steps_keyword is not None) != (rec.steps_per_token > 1):
+            continue
+        functions = [f for f in (baseline.chunk, baseline.recurrent) if f is not None]
+        if all(input_parameters(rec, f) is not None for f in functions):
             return baseline
     return None
 
@@ -226,6 +256,8 @@ def fla_keywords(rec: Recurrence, function: FlaFunction, call: Call, extra: dict
     keywords.update(scale=call.scale, initial_state=call.initial_state, output_final_state=True)
     if call.l2norm:
         keywords["use_qk_l2norm_in_kernel"] = True
+    if function.steps_keyword is not None:
+        keywords[function.steps_keyword] = rec.steps_per_token
     keywords.update(function.options)
     keywords.update(extra or {})
     return keywords
@@ -236,7 +268,7 @@ def missing_parameters(rec: Recurrence, function: FlaFunction, fla_function, l2n
     """The keywords this harness passes that `fla_function` does not take (a version mismatch)."""
     wanted = [function.query, "k", "v", *input_parameters(rec, function).values(),
               "scale", "initial_state", "output_final_state"] + (["use_qk_l2norm_in_kernel"] if l2norm else [])
-    wanted += [*function.options, *(extra or {})]
+    wanted += [*function.options, *(extra or {})] + ([function.steps_keyword] if function.steps_keyword else [])
     named = explicit_parameters(fla_function)
     if _takes_kwargs(fla_function):
         named |= set(function.from_kwargs)
@@ -244,14 +276,15 @@ def missing_parameters(rec: Recurrence, function: FlaFunction, fla_function, l2n
 
 
 def resolve_fla(baseline: FlaBaseline | None, importer=importlib.import_module):
-    """(chunk function, recurrent function) of an installed fla-core, or None."""
+    """(chunk function, recurrent function or None) of an installed fla-core, or None."""
     if baseline is None:
         return None
     try:
         module = importer(baseline.module)
     except ImportError:
         return None
-    return getattr(module, baseline.chunk.name), getattr(module, baseline.recurrent.name)
+    recurrent = None if baseline.recurrent is None else getattr(module, baseline.recurrent.name)
+    return getattr(module, baseline.chunk.name), recurrent
 
 
 def dispatched_backend(function, keywords: dict, importer=importlib.import_module):

@@ -73,7 +73,7 @@ def bench(specs, shapes, plans=None, backward: bool = False, device: str = "cuda
             oracle = oracle_outputs(spec.rec, call.prefix(spec.rec, *prefix), names,
                                     gradients=FORWARD_BACKWARD in modes)
             for mode in modes:
-                peers = [] if fla is None else fla_peers(spec.rec, function, fla[1 if decode else 0], l2norm, call, mode,
+                peers = [] if fla is None or function is None else fla_peers(spec.rec, function, fla[1 if decode else 0], l2norm, call, mode,
                                                          importer)
                 emit(run_group(spec.name, spec.rec, peers + direct + ours, call, shape, mode, oracle, measure[mode],
                                prefix, tolerance))
