@@ -33,11 +33,14 @@ def documented_commands() -> list[str]:
 NEEDS_GPU = {
     "python examples/serving_decode.py --state-dtype bfloat16": "use --state-dtype float16 on a CPU",
     "python examples/qwen35_layer.py --released": "run it without --released",
+    "python examples/train_hybrid.py --steps 500 --out /tmp/train_hybrid/lrdsl": "run it with --tiny",
+    "python examples/train_hybrid.py --steps 500 --backend fla --out /tmp/train_hybrid/fla":
+        "use --backend lrdsl or torch on a CPU",
 }
 
 
 def test_every_example_documents_its_commands():
-    assert {p.name for p in EXAMPLES} == {"serving_decode.py", "qwen35_layer.py", "qwen35_generate.py"}
+    assert {p.name for p in EXAMPLES} == {"serving_decode.py", "qwen35_layer.py", "qwen35_generate.py", "train_hybrid.py"}
     assert {c.split()[1] for c in documented_commands()} == {f"examples/{p.name}" for p in EXAMPLES}
     assert set(NEEDS_GPU) <= set(documented_commands())
 
@@ -59,6 +62,21 @@ def test_documented_example_command(command):
     assert last == ("identical" if "qwen35_generate" in command else "ok"), result.stdout
     if "serving_decode" in command:
         check_serving_output(command, result.stdout)
+    if "train_hybrid" in command:
+        check_training_run(words)
+
+
+def check_training_run(words):
+    """The run.json a training command wrote: one finite loss per step, falling, and a speed."""
+    import json
+    from pathlib import Path
+
+    run = json.loads((Path(words[words.index("--out") + 1]) / "run.json").read_text())
+    steps = int(words[words.index("--steps") + 1])
+    backend = words[words.index("--backend") + 1] if "--backend" in words else "lrdsl"
+    assert run["backend"] == backend and len(run["losses"]) == steps
+    assert all(0 < x < 10 for x in run["losses"]) and run["losses"][-1] < run["losses"][0] - 0.5, run["losses"]
+    assert run["tokens_per_s"] > 0 and (run["peak_mib"] is None) == (not HAS_GPU)
 
 
 def check_serving_output(command, stdout):
