@@ -373,3 +373,26 @@ def test_one_line_errors():
         assert torch.equal(o, ref_o) and torch.equal(ht, ref_ht)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_one_gpu_script_runs_as_documented_on_the_cpu(tmp_path):
+    """scripts/cp_one_gpu.py (the single-card tier: ranks sharing one device over gloo), its
+    documented CPU command as a user runs it: every error against one process within fp32's
+    tolerance, on 2 and 4 ranks (its default) over its default sequence layout."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_cli import user_environment
+
+    command = "--device cpu --tokens 96 --heads 1,2 --dims 16 --dtype float32".split()  # its docstring's
+    environment = dict(user_environment(), OUT=str(tmp_path))
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "cp_one_gpu.py"), *command], cwd=tmp_path,
+                            env=environment, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads((tmp_path / "cp_one_gpu.json").read_text())
+    assert [r["world"] for r in rows] == [2, 4]
+    for row in rows:
+        assert len(row["cu_seqlens"]) == 6 and row["errors"]
+        assert max(row["errors"].values()) <= TOLERANCE[torch.float32], row
