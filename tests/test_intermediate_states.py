@@ -205,3 +205,97 @@ def test_ops_as_fla(fn):
         assert torch.equal(o3, o) and torch.equal(ht3, ht)
     with pytest.raises(InputError, match=r"\.chunk: return_intermediate_states=True is a forward without gradients"):
         call(q.requires_grad_(), k, v, gate, beta, return_intermediate_states=True)
+
+
+# -- a pool prefill's checkpoints: checkpoint_every=, checkpoint_indices= ----------------------------
+
+@pytest.mark.parametrize("name", ("gdn", "kda", "gated_deltaproduct"))
+@pytest.mark.parametrize("v_first", (False, True))
+def test_pool_checkpoints_match_prefixes(name, v_first):
+    """Packed sequences into a pool: sequence n's state after every 16 tokens in the rows it names
+    (-1 and slots past its end untouched), its final state in its own row, o as without them; a
+    padding slot (-1) gets nothing."""
+    mod, rec = module(name), recurrence(name)
+    g = torch.Generator().manual_seed(57)
+    bounds = [0, 0, 1, 33, 40, 57]
+    tensors = sample(rec, Shape(1, bounds[-1], 1, 2, 8, 16), torch.float32, g)
+    every = 16  # tokens: two chunks of 8 tokens where a token takes 2 steps
+    dims = (2, 16, 8) if v_first else (2, 8, 16)
+    pool = torch.randn(20, *dims, generator=g)
+    before = pool.clone()
+    state_indices = torch.tensor([0, 1, 2, -1, 3])
+    checkpoints = torch.tensor([[4, 5], [6, 7], [8, 9], [10, 11], [12, -1]])
+    with torch.no_grad():
+        o, out = mod.chunk(*tensors, cu_seqlens=torch.tensor(bounds, dtype=torch.int32), chunk_size=16,
+                           state_pool=pool, state_indices=state_indices, state_v_first=v_first,
+                           checkpoint_every=every, checkpoint_indices=checkpoints)
+    assert out is pool
+    as_kv = (lambda x: x.transpose(-1, -2)) if v_first else (lambda x: x)
+    written, errors = {0, 1, 2, 3}, []
+    for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        row = int(state_indices[n])
+        if row < 0:
+            assert torch.equal(o[0, start:end], torch.zeros_like(o[0, start:end]))
+            continue
+        h0 = as_kv(before[row:row + 1])
+        seq = _tokens(rec, tensors, start, end)
+        if end > start:
+            ref_o, ref_ht = reference.run(rec, *seq, initial_state=h0, output_final_state=True)
+            _close(o[:, start:end], ref_o, f"{name} o of sequence {n}", errors)
+            _close(as_kv(pool[row:row + 1]), ref_ht, f"{name} final state of sequence {n}", errors)
+        for m, target in enumerate(checkpoints[n].tolist()):
+            after = (m + 1) * every
+            if target < 0:
+                continue
+            if after >= end - start:
+                continue  # not inside the sequence: the row stays as it was (checked below)
+            _, expected = reference.run(rec, *_tokens(rec, tensors, start, start + after), initial_state=h0,
+                                        output_final_state=True)
+            _close(as_kv(pool[target:target + 1]), expected, f"{name} checkpoint {m} of sequence {n}", errors)
+            written.add(target)
+    untouched = [r for r in range(20) if r not in written]
+    assert torch.equal(pool[untouched], before[untouched])
+    print(f"{name} pool checkpoints: max relative error {max(errors):.2e}")
+
+
+def test_pool_checkpoints_dense_resume():
+    """Dense batch: resuming from a checkpoint row reproduces the rest of the sequence."""
+    mod, rec = module("gdn"), recurrence("gdn")
+    g = torch.Generator().manual_seed(58)
+    tensors = sample(rec, Shape(2, 50, 1, 1, 8, 8), torch.float32, g)
+    pool = torch.zeros(8, 1, 8, 8)
+    with torch.no_grad():
+        o, _ = mod.chunk(*tensors, chunk_size=16, state_pool=pool, state_indices=torch.tensor([0, 1]),
+                         checkpoint_every=32, checkpoint_indices=torch.tensor([[2, 3], [4, 5]]))
+        rest = [x[:, 32:] for x in tensors]
+        o2, ht2 = mod.chunk(*rest, chunk_size=16, initial_state=pool[[2, 4]], output_final_state=True)
+    assert relative_error(o2, o[:, 32:]) < 1e-5 and relative_error(ht2, pool[[0, 1]]) < 1e-5
+    assert torch.equal(pool[[3, 5]], torch.zeros(2, 1, 8, 8))  # 64 tokens: past the end
+
+
+def test_pool_checkpoint_refusals():
+    mod, rec = module("gdn"), recurrence("gdn")
+    tensors = sample(rec, Shape(2, 20, 1, 1, 8, 8), torch.float32, torch.Generator().manual_seed(59))
+    pool, state_indices, rows = torch.zeros(6, 1, 8, 8), torch.tensor([0, 1]), torch.tensor([[2], [3]])
+    pooled = dict(state_pool=pool, state_indices=state_indices, chunk_size=16)
+    cases = [
+        (dict(checkpoint_every=16), "checkpoint_every and checkpoint_indices go together"),
+        (dict(checkpoint_every=24, checkpoint_indices=rows, **pooled),
+         r"checkpoint_every must be a positive multiple of the chunk size \(16 tokens"),
+        (dict(checkpoint_every=16, checkpoint_indices=rows), "checkpoint_every needs state_pool and state_indices"),
+        (dict(checkpoint_every=16, checkpoint_indices=rows[0], **pooled), r"checkpoint_indices must be a tensor \[N, M\] = \[2, M\]"),
+        (dict(checkpoint_every=16, checkpoint_indices=torch.tensor([[2], [1]]), **pooled),
+         r"checkpoint_indices\[1, 0\] and state_indices\[1\] are both row 1"),
+        (dict(checkpoint_every=16, checkpoint_indices=torch.tensor([[2], [6]]), **pooled),
+         r"checkpoint_indices\[1, 0\] = 6 is outside the pool's 6 rows"),
+        (dict(checkpoint_every=16, checkpoint_indices=rows, return_intermediate_states=True, **pooled),
+         "checkpoint_every with return_intermediate_states is not supported"),
+        (dict(checkpoint_every=16, checkpoint_indices=rows, cp_context=object(), **pooled),
+         "checkpoint_every with cp_context is not supported"),
+    ]
+    for options, message in cases:
+        with pytest.raises(InputError, match=r"^gdn\.chunk: " + message) as caught:
+            mod.chunk(*tensors, **options)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(InputError, match=r"^gdn\.chunk: state_pool is updated in place, without gradients"):
+        mod.chunk(*[x.clone().requires_grad_() for x in tensors], checkpoint_every=16, checkpoint_indices=rows, **pooled)
