@@ -197,6 +197,8 @@ def _formula_flags(fn: str, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigm
 # ---------------------------------------------------------------------------------------------
 
 _CHUNK_KEYWORDS = ("chunk_size", "use_gate_in_kernel", "A_log", "dt_bias")
+# ... and one more that lrdsl reads there: FLA's chunk_kda's option, which its gated delta rule lacks
+_CHUNK_EXTRA_KEYWORDS = ("return_intermediate_states",)
 
 
 def chunk_gated_delta_rule(
@@ -220,6 +222,10 @@ def chunk_gated_delta_rule(
 ):
     """FLA's chunk_gated_delta_rule on lrdsl's chunk kernels: (o [B, T, HV, V], final state
     [N, HV, K, V] fp32 or None). Differentiable in q, k, v, g, beta, initial_state, A_log, dt_bias.
+    return_intermediate_states=True, a keyword as in FLA's chunk_kda (FLA's gated delta rule has no
+    such option, so its signature stays fla-core's): (o, final state or None, h), h the state at the
+    start of every chunk (module.chunk()'s option of that name, which documents its shape and chunk
+    size), without gradients.
 
     Keyword options as in FLA: chunk_size (16, 32, 64; default: the largest whose kernels fit,
     64 for 16-bit inputs up to K = 128, where FLA always takes 64), use_gate_in_kernel with
@@ -235,7 +241,7 @@ def chunk_gated_delta_rule(
     """
     fn = "chunk_gated_delta_rule"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
-    _reject_unknown(fn, kwargs, _CHUNK_KEYWORDS)
+    _reject_unknown(fn, kwargs, _CHUNK_KEYWORDS + _CHUNK_EXTRA_KEYWORDS)
     cp_context = _cp_context(fn, cp_context)
     save_policy = _save_policy(fn, False)  # FLA's gated delta rule always recomputes
     chunk_size = kwargs.get("chunk_size")
@@ -253,6 +259,7 @@ def chunk_gated_delta_rule(
         q, k, v, *extras, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
         chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy, cp_context=cp_context,
+        return_intermediate_states=kwargs.get("return_intermediate_states", False),
     )
 
 
@@ -305,7 +312,6 @@ def fused_recurrent_gated_delta_rule(
 # What each FLA option lrdsl does not implement would do, for its one-line refusal. The option's
 # default (False / None) is what lrdsl computes anyway, so that value is accepted silently.
 _UNSUPPORTED = {
-    "return_intermediate_states": "return_intermediate_states (the per-chunk states h) is not supported",
     "use_graph": "use_graph (FLA's fixed-shape varlen chunk list for graph capture) is not supported",
     "max_num_seqs": "max_num_seqs (only used with use_graph) is not supported",
 }
@@ -426,14 +432,16 @@ def chunk_kda(
     initial and final states [N, HV, V, K]. disable_recompute=True keeps every forward buffer the
     backward reads, so it re-runs no forward kernel (chunk()'s save_policy="save"; more memory,
     the same gradients; eager only: under torch.compile chunk() keeps nothing for its backward).
-    cp_context: context parallelism, as in chunk_gated_delta_rule. return_intermediate_states,
-    use_graph and max_num_seqs are not supported: anything but their defaults raises.
+    cp_context: context parallelism, as in chunk_gated_delta_rule. return_intermediate_states=True:
+    (o, final state or None, h) as FLA's, h the state at the start of every chunk (module.chunk()'s
+    option of that name, which documents its shape and chunk size; FLA requires inference mode,
+    lrdsl refuses only a call that needs gradients). use_graph and max_num_seqs are not
+    supported: anything but their defaults raises.
     """
     fn = "chunk_kda"
     state_v_first = _state_layout(fn, state_v_first, kwargs)
     _reject_unknown(fn, kwargs, _KDA_CHUNK_KEYWORDS)
-    _reject_unsupported(fn, return_intermediate_states=return_intermediate_states, use_graph=use_graph,
-                        max_num_seqs=max_num_seqs)
+    _reject_unsupported(fn, use_graph=use_graph, max_num_seqs=max_num_seqs)
     cp_context = _cp_context(fn, cp_context)
     bound = _bounded_gate(fn, use_gate_in_kernel, safe_gate, lower_bound)
     save_policy = _save_policy(fn, disable_recompute)
@@ -453,7 +461,7 @@ def chunk_kda(
         q, k, v, g, beta, *heads, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         chunk_size=chunk_size, chunk_indices=chunks, state_v_first=state_v_first, save_policy=save_policy,
-        cp_context=cp_context,
+        cp_context=cp_context, return_intermediate_states=return_intermediate_states,
     )
 
 

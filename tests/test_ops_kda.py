@@ -259,8 +259,6 @@ def test_unsupported_options_raise(generator, device):
         (lambda: chunk(q, k, v, g, beta, lower_bound=0.5, **gated), "lower_bound must be a finite negative number"),
         (lambda: chunk(q, k, v, g, beta, safe_gate="yes"), "safe_gate must be True or False"),
         (lambda: chunk(q, k, v, g, beta, disable_recompute="yes"), "disable_recompute must be True or False, got 'yes'"),
-        (lambda: chunk(q, k, v, g, beta, return_intermediate_states=True),
-         "return_intermediate_states .* is not supported"),
         (lambda: chunk(q, k, v, g, beta, cp_context=object()), "cp_context must be what lrdsl.distributed.build_cp_context returns"),
         (lambda: chunk(q, k, v, g, beta, use_graph=True), "use_graph .* is not supported"),
         (lambda: chunk(q, k, v, g, beta, max_num_seqs=8), "max_num_seqs .* is not supported"),

@@ -23,7 +23,7 @@ from .launch import (
     largest_chunk_sizes,
     launch_tables,
 )
-from .names import CHUNK_OPTIONS, CP_OPTIONS, forward_options, input_pointer, signature
+from .names import CHECKPOINT_OPTIONS, CHUNK_OPTIONS, CP_OPTIONS, STATES_OPTIONS, forward_options, input_pointer, signature
 from .segments import segment_refusal
 from .templating import host_code, render
 
@@ -290,9 +290,10 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str], steps: int = 1
         default_policy=item.default_policy,
         spec_name=prog.recurrence.name,
         positional=", ".join(positional),
-        signature=signature(positional, CHUNK_OPTIONS + CP_OPTIONS),
+        signature=signature(positional, CHUNK_OPTIONS + STATES_OPTIONS + CHECKPOINT_OPTIONS + CP_OPTIONS),
         forward_options=forward_options(CHUNK_OPTIONS),
         first_kernel=first,
+        entry_state=prog.state_in,
         steps=steps,
         # with several steps per token the public prepare_varlen takes token bounds (steps_api)
         prepare_rows="prepare_varlen" if steps == 1 else "_prepare_rows",

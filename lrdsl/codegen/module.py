@@ -13,7 +13,7 @@ from ..ir.chunk import NoChunkForm
 from ..ir.recurrence import Recurrence
 from ..ir.step import StepProgram
 from .chunk import emit_chunk_section
-from .names import CHUNK_OPTIONS, CP_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, VERIFY_OPTIONS, forward_options, signature
+from .names import CHECKPOINT_OPTIONS, CHUNK_OPTIONS, CP_OPTIONS, POSITIONAL, RECURRENT_OPTIONS, STATES_OPTIONS, VERIFY_OPTIONS, forward_options, signature
 from .printer import HELPERS
 from .recurrent import (
     commit_kernel_name,
@@ -119,8 +119,9 @@ def emit_module(stages: dict, spec_path: str) -> str:
         f"recurrent({signature(_positional(rec), RECURRENT_OPTIONS)}) -> (o, final_state | None)   [differentiable]",
         f"verify({signature(_positional(rec), VERIFY_OPTIONS)}) -> (o, Draft)",
         "commit(draft, num_accepted, validate=True)",
-        f"chunk({signature(_positional(rec), CHUNK_OPTIONS + CP_OPTIONS)}) -> (o, final_state | None)   [differentiable]",
+        f"chunk({signature(_positional(rec), CHUNK_OPTIONS + STATES_OPTIONS + CHECKPOINT_OPTIONS + CP_OPTIONS)}) -> (o, final_state | None[, h])   [differentiable]",
         "prepare_varlen(cu_seqlens, chunk_size=64, cu_seqlens_cpu=None) -> VarlenChunks, for chunk(..., chunk_indices=)",
+        'intermediate_chunk_tokens(q, chunk_size=None, plan=None, precision="input") -> tokens per chunk of chunk()\'s h',
     ]
     sections = [emit_recurrent_section(stages["step"], rec),
                 emit_chunk_section(plans, _positional(rec), rec.steps_per_token)]

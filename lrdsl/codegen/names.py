@@ -65,10 +65,16 @@ VERIFY_OPTIONS = (
     ("out", "None"),
     ("draft", "None"),
 )
+# chunk() only: the state at the start of every chunk returned too (FLA's option of that name), a
+# forward without gradients that chunk() runs itself rather than passing it on to _chunk
+STATES_OPTIONS = (("return_intermediate_states", "False"),)
+# ... and a pool prefill's checkpoints: the state after every checkpoint_every tokens of sequence n
+# written into pool row checkpoint_indices[n, m] (chunk() also runs this call itself)
+CHECKPOINT_OPTIONS = (("checkpoint_every", "None"), ("checkpoint_indices", "None"))
 # chunk() only: context parallelism (lrdsl.distributed.build_cp_context), which runs chunk() itself
 # on the rank's slice, so it is not among the options passed on to the private functions
 CP_OPTIONS = (("cp_context", "None"),)
-ALL_OPTIONS = RECURRENT_OPTIONS + CHUNK_OPTIONS + CP_OPTIONS + VERIFY_OPTIONS
+ALL_OPTIONS = RECURRENT_OPTIONS + CHUNK_OPTIONS + STATES_OPTIONS + CHECKPOINT_OPTIONS + CP_OPTIONS + VERIFY_OPTIONS
 
 
 def input_pointer(name: str) -> str:
