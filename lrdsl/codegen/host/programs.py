@@ -15,8 +15,22 @@ def _scan_programs(c, BV):
 
 _MULTIPROCESSORS = {}  # device index -> streaming multiprocessors
 
+# Batch invariance (set `module.BATCH_INVARIANT = True`): a sequence's outputs, final state and
+# gradients are then bit for bit the same whatever else is in the batch. Every choice that weighs
+# a call's programs against the GPU's multiprocessors (the scan at half the chunk size, segmented
+# scans, resumed re-runs, few-program launch settings) depends on the batch; in this mode each
+# takes the branch a batch too large to fill the GPU would take, as in the interpreter. Costs speed
+# only where the batch has fewer programs than the GPU has multiprocessors.
+BATCH_INVARIANT = False
+
 
 def _multiprocessors(q):
+    """The multiprocessors the launch choices weigh a call's programs against: q's GPU's
+    (_device_multiprocessors), or 0 with BATCH_INVARIANT (every choice then as for a large batch)."""
+    return 0 if BATCH_INVARIANT else _device_multiprocessors(q)
+
+
+def _device_multiprocessors(q):
     """Streaming multiprocessors of q's GPU (0 in the interpreter, where launch settings do nothing)."""
     if not q.is_cuda:
         return 0
