@@ -4,6 +4,7 @@ is the seed's alone; --compare reports earlier runs."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 
 import pytest
@@ -57,14 +58,85 @@ def test_lrdsl_first_step_equals_the_torch_path(train_hybrid):
         assert max(errors.values()) <= TOLERANCE[torch.float32], sorted(errors.items(), key=lambda e: -e[1])[:3]
 
 
-@pytest.mark.xfail(reason="open: in fp32 lrdsl's A_log / dt_bias gradients are 3-26x further from float64 than the torch "
-                          "path's (seeds 1-4: 2.6e-4 to 6.5e-3 against 8.3e-5 to 4.2e-4), above 2e-3 on some seeds",
-                   strict=False)
-def test_lrdsl_per_head_gradients_within_fp32_tolerance_of_float64(train_hybrid):
-    runs = _first_steps(train_hybrid)
-    exact, torch_path, lrdsl = (runs[name][1] for name in ("exact", "torch", "lrdsl"))
-    for name in (n for n in exact if n.endswith(PER_HEAD)):
-        assert relative_error(lrdsl[name].double(), exact[name]) <= TOLERANCE[torch.float32], name
+def test_lrdsl_first_step_in_fp32_is_within_fp32_tolerance_of_float64(train_hybrid):
+    """Every gradient, the per-head ones included, of lrdsl's fp32 step against the same model run in
+    float64. transformers' own 'float64' model is no reference for these: its linear-attention
+    functions, gate and norms cast to fp32 inside, and a per-head gradient (a sum over every token)
+    is ill-conditioned enough that this rounding moves it by 2e-4 to 7e-3 (the next test)."""
+    seed = int(torch.seed() % 2**31)
+    corpus = train_hybrid.stdlib_bytes(1 << 16)
+    tokens = next(train_hybrid.batches(corpus, batch=2, seq_len=48, steps=1, data_seed=seed))
+    (loss32, grads32), (loss64, grads64) = (_first_step(train_hybrid, "lrdsl", tokens, dtype)
+                                            for dtype in (torch.float32, torch.float64))
+    assert relative_error(loss32.double(), loss64) <= TOLERANCE[torch.float32]
+    errors = {name: relative_error(grads32[name].double(), grads64[name]) for name in grads64}
+    assert max(errors.values()) <= TOLERANCE[torch.float32], (seed, sorted(errors.items(), key=lambda e: -e[1])[:3])
+
+
+def _linear_attention_calls(train_hybrid, monkeypatch, tokens):
+    """The inputs and output gradient of every lrdsl recurrence call in one fp32 step of the tiny model."""
+    import lrdsl.layers.gated_deltanet as layer_module
+
+    calls, module = [], layer_module.recurrence_module()
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def chunk(self, *inputs, **options):
+            o, state = module.chunk(*inputs, **options)
+            call = {"inputs": [x.detach().clone() for x in inputs]}
+            o.register_hook(lambda do: call.__setitem__("do", do.detach().clone()))
+            calls.append(call)
+            return o, state
+
+    monkeypatch.setattr(layer_module, "recurrence_module", Recording)
+    _first_step(train_hybrid, "lrdsl", tokens)
+    return calls
+
+
+def test_per_head_gradients_against_the_float64_oracle(train_hybrid, monkeypatch):
+    """On each linear-attention layer's own inputs and output gradient from a training step, the
+    gradients of A_log and dt_bias from lrdsl's fp32 kernels against the float64 oracle, beside
+    transformers' fp32 torch path on the same inputs. lrdsl is within fp32 tolerance and closer
+    than the torch path (seeds 1-6: lrdsl 1.4e-6 to 1.1e-4, the torch path 6.5e-5 to 6.6e-3)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    import lrdsl
+    from lrdsl import reference
+
+    spec = ROOT / "specs" / "gdn_qwen35.toml"
+    torch_chunk = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    corpus = train_hybrid.stdlib_bytes(1 << 16)
+    seed = int(torch.seed() % 2**31)
+    calls = _linear_attention_calls(train_hybrid, monkeypatch, next(train_hybrid.batches(corpus, 2, 48, 1, seed)))
+    assert len(calls) == 3 and all("do" in call for call in calls)
+    module = lrdsl.load(spec)
+
+    def lrdsl_fp32(q, k, v, a, b, A_log, dt_bias):
+        return module.chunk(q, k, v, a, b, A_log, dt_bias, use_qk_l2norm_in_kernel=True)[0]
+
+    def torch_path_fp32(q, k, v, a, b, A_log, dt_bias):  # the layer's gate and beta, then its chunk function
+        g = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+        group = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        return torch_chunk(q, k, v, g=g, beta=b.sigmoid(), use_qk_l2norm_in_kernel=True)[0]
+
+    def oracle(q, k, v, a, b, A_log, dt_bias):
+        return reference.run(spec, q, k, v, a, b, A_log, dt_bias, use_qk_l2norm_in_kernel=True)[0]
+
+    def per_head_gradients(run, call, dtype):
+        inputs = [x.to(dtype).requires_grad_() for x in call["inputs"]]
+        return torch.autograd.grad(run(*inputs), inputs[-2:], call["do"].to(dtype))
+
+    worst = {"lrdsl": 0.0, "torch path": 0.0}
+    for call in calls:
+        exact = per_head_gradients(oracle, call, torch.float64)
+        for name, run in (("lrdsl", lrdsl_fp32), ("torch path", torch_path_fp32)):
+            got = per_head_gradients(run, call, torch.float32)
+            worst[name] = max(worst[name], *(relative_error(x.double(), y) for x, y in zip(got, exact)))
+    assert worst["lrdsl"] <= TOLERANCE[torch.float32], (seed, worst)
+    assert worst["lrdsl"] <= worst["torch path"], (seed, worst)
 
 
 def test_the_data_order_is_the_seed_s(train_hybrid):
