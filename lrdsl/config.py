@@ -8,6 +8,8 @@ LRDSL_VERIFY      "0" turns off the IR verifier that `lrdsl.load` (on a cache mi
 TRITON_INTERPRET  Triton's own switch; lrdsl turns it on when there is no GPU so kernels run on the CPU
 LRDSL_FUZZ_EXAMPLES  examples per test of the spec fuzzer (tests/test_fuzz_specs.py), drawn afresh each
                   run; unset: the bounded, fixed-seed run of CI
+LRDSL_FUZZ_DTYPE  the spec fuzzer's q, k, v (and other per-token inputs but gates): "float32" (default)
+                  or "bfloat16" (a GPU pass; gates and per-head parameters stay fp32, as callers pass them)
 """
 from __future__ import annotations
 
@@ -100,3 +102,14 @@ def fuzz_examples() -> int | None:
     """LRDSL_FUZZ_EXAMPLES as a number of examples, or None (the CI run)."""
     value = os.environ.get("LRDSL_FUZZ_EXAMPLES", "").strip()
     return int(value) if value else None
+
+
+FUZZ_DTYPES = ("float32", "bfloat16")
+
+
+def fuzz_dtype() -> str:
+    """LRDSL_FUZZ_DTYPE, checked: the name of a torch dtype in FUZZ_DTYPES (default float32)."""
+    value = os.environ.get("LRDSL_FUZZ_DTYPE", "").strip() or "float32"
+    if value not in FUZZ_DTYPES:
+        raise ValueError(f"LRDSL_FUZZ_DTYPE={value!r}: expected one of {', '.join(FUZZ_DTYPES)}")
+    return value

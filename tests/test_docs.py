@@ -368,7 +368,8 @@ def test_readme_lists_every_stage():
 def test_readme_names_every_environment_knob():
     source = Path(config.__file__).read_text()
     knobs = set(re.findall(r'os\.environ\.get\("(\w+)"', source)) - {"XDG_CACHE_HOME"}
-    assert knobs == {"LRDSL_CACHE_DIR", "LRDSL_DUMP", "LRDSL_FUZZ_EXAMPLES", "LRDSL_VERIFY", "TRITON_INTERPRET"}
+    assert knobs == {"LRDSL_CACHE_DIR", "LRDSL_DUMP", "LRDSL_FUZZ_EXAMPLES", "LRDSL_FUZZ_DTYPE", "LRDSL_VERIFY",
+                     "TRITON_INTERPRET"}
     readme = (ROOT / "README.md").read_text()
     for knob in knobs:
         assert f"`{knob}`" in readme, knob

@@ -28,6 +28,7 @@ drawn afresh, e.g. `LRDSL_FUZZ_EXAMPLES=500 pytest tests/test_fuzz_specs.py`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -52,7 +53,11 @@ from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs
 from oracle_checks import Call, assert_errors, causality_errors, oracle_errors
 from test_hygiene import generated_names
 
-LIMIT = TOLERANCE[torch.float32]
+# LRDSL_FUZZ_DTYPE=bfloat16 (a GPU pass): 16-bit q, k, v and per-token inputs, bf16's tolerance, and
+# the gradients on the pass from d_o alone, as tests/test_gpu.py checks them (a random d_ht against
+# the state's bf16 error mostly cancels at a sequence's last token: its docstring)
+DTYPE = getattr(torch, config.fuzz_dtype())
+LIMIT = TOLERANCE[DTYPE]
 VALID_EXAMPLES = 24  # per CI run; each compiles a module and runs 8-9 kernel configurations
 INVALID_EXAMPLES = 120
 
@@ -449,13 +454,14 @@ def test_valid_specs_match_the_oracle(spec, case, edge, tmp_path, generator, dev
     # fresh inputs every run (the fixture's seed), the same ones when hypothesis replays an example
     data = torch.Generator().manual_seed(generator.initial_seed() ^ case.seed)
     call = case.call
-    tensors = make_inputs(rec, call.shape, generator=data)
+    tensors = make_inputs(rec, call.shape, dtype=DTYPE, generator=data)
     assume(in_range(rec, tensors, call.shape.HV))
     note(f"edge: {edge}")
     tensors = with_edge(rec, spec, tensors, edge, data)
     mod = lrdsl.load(path)
 
     def errors(kernel, gradients, **options):
+        call = case.call if DTYPE == torch.float32 or not gradients else dataclasses.replace(case.call, dht=False)
         if edge.kind == "nonfinite":  # forward only: causality of the non-finite value
             h0 = torch.randn(call.N, call.shape.HV, call.shape.K, call.shape.V, generator=data) if call.h0 else None
             return causality_errors(rec, mod, call, tensors, kernel, device=device, h0=h0, **options)
@@ -703,7 +709,7 @@ def test_valid_specs_without_gradients_and_second_derivatives(spec, case, edge, 
     rec = valid_recurrence(path)
     data = torch.Generator().manual_seed(generator.initial_seed() ^ edge.seed)
     call, shape = case.call, case.call.shape
-    tensors = make_inputs(rec, shape, generator=data)
+    tensors = make_inputs(rec, shape, dtype=DTYPE, generator=data)
     assume(in_range(rec, tensors, shape.HV))
     mod = lrdsl.load(path)
     h0 = torch.randn(call.N, shape.HV, shape.K, shape.V, generator=data) if call.h0 else None
@@ -739,3 +745,13 @@ def test_the_fuzzer_draws_the_delta_rules_read_vector_and_written_value():
     spec = find(valid_specs(delta_vectors=True), lambda s: s.delta_read is not None and any(r == "token_value" for _, r in s.inputs),
                 settings=settings(database=None, max_examples=2000, suppress_health_check=list(HealthCheck)))
     assert spec.update == "delta" and spec.write_value is not None and "v" in spec.write_value
+
+
+def test_the_fuzzers_dtype_knob_refuses_what_it_does_not_know(monkeypatch):
+    monkeypatch.setenv("LRDSL_FUZZ_DTYPE", "bfloat16")
+    assert config.fuzz_dtype() == "bfloat16"
+    monkeypatch.setenv("LRDSL_FUZZ_DTYPE", "fp8")
+    with pytest.raises(ValueError, match=r"LRDSL_FUZZ_DTYPE='fp8': expected one of float32, bfloat16"):
+        config.fuzz_dtype()
+    monkeypatch.delenv("LRDSL_FUZZ_DTYPE")
+    assert config.fuzz_dtype() == "float32"
