@@ -237,13 +237,31 @@ def plot(runs: list[dict], path: Path) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def final_loss(losses: list[float]) -> float:
+    """The mean of a run's last 10 % of losses (one step's loss is noisy)."""
+    tail = losses[-max(1, len(losses) // 10):]
+    return sum(tail) / len(tail)
+
+
+def curve_gap(a: list[float], b: list[float]) -> float:
+    """The mean |difference| of two loss curves over the second half of their common steps,
+    each first averaged over windows of 10 steps (what a plot shows, not one batch's noise)."""
+    steps = min(len(a), len(b))
+    window = max(1, min(10, steps // 4))
+    smooth = [[sum(c[i:i + window]) / window for i in range(0, steps - window + 1, window)] for c in (a, b)]
+    half = smooth[0][len(smooth[0]) // 2:], smooth[1][len(smooth[1]) // 2:]
+    return sum(abs(x - y) for x, y in zip(*half)) / len(half[0])
+
+
 def compare(directories: list[str], out: Path) -> None:
-    """The final losses of earlier runs side by side (mean of each run's last 10 %), and one plot."""
+    """The final losses of earlier runs side by side, each run's gap to the first (curve_gap), and
+    one plot. Two runs that differ only in --data-seed give the noise floor a backend's gap is held
+    against."""
     runs = [json.loads((Path(d) / "run.json").read_text()) for d in directories]
     for directory, run in zip(directories, runs):
-        tail = run["losses"][-max(1, len(run["losses"]) // 10):]
-        print(f"{directory}: {run['backend']} data seed {run['data_seed']}: final loss {sum(tail) / len(tail):.4f}, "
-              f"{run['tokens_per_s'] or float('nan'):,.0f} tokens/s, peak {run['peak_mib'] or float('nan'):,.0f} MiB")
+        gap = f", gap to {directories[0]} {curve_gap(runs[0]['losses'], run['losses']):.4f}" if run is not runs[0] else ""
+        print(f"{directory}: {run['backend']} data seed {run['data_seed']}: final loss {final_loss(run['losses']):.4f}, "
+              f"{run['tokens_per_s'] or float('nan'):,.0f} tokens/s, peak {run['peak_mib'] or float('nan'):,.0f} MiB{gap}")
     out.mkdir(parents=True, exist_ok=True)
     plot(runs, out / "loss.png")
 

@@ -157,6 +157,18 @@ def test_compare_reports_each_run(train_hybrid, tmp_path, capsys):
     printed = capsys.readouterr().out.splitlines()
     assert [line.split(": ")[1] for line in printed] == ["a data seed 0", "b data seed 0"]
     assert "final loss 3.0000" in printed[0] and "final loss 3.5000" in printed[1]
+    assert "gap to" not in printed[0] and printed[1].endswith(f"gap to {tmp_path / 'a'} 0.5000")
+
+
+def test_curve_gap_is_the_mean_distance_of_the_smoothed_second_halves(train_hybrid):
+    flat = [3.0] * 40
+    assert train_hybrid.curve_gap(flat, [3.25] * 40) == pytest.approx(0.25)
+    # noise within each 10-step window averages out; a gap in the first half does not count
+    noisy = [3.0 + (0.5 if i % 2 else -0.5) for i in range(40)]
+    assert train_hybrid.curve_gap(flat, noisy) == pytest.approx(0.0)
+    early = [9.0] * 20 + [3.0] * 20
+    assert train_hybrid.curve_gap(flat, early) == pytest.approx(0.0)
+    assert train_hybrid.final_loss([5.0] * 90 + [1.0] * 10) == pytest.approx(1.0)
 
 
 def test_the_verdict_names_what_failed(train_hybrid):
