@@ -59,17 +59,19 @@ def test_lrdsl_first_step_equals_the_torch_path(train_hybrid):
 
 
 def test_lrdsl_first_step_in_fp32_is_within_fp32_tolerance_of_float64(train_hybrid):
-    """Every gradient, the per-head ones included, of lrdsl's fp32 step against the same model run in
-    float64. transformers' own 'float64' model is no reference for these: its linear-attention
-    functions, gate and norms cast to fp32 inside, and a per-head gradient (a sum over every token)
-    is ill-conditioned enough that this rounding moves it by 2e-4 to 7e-3 (the next test)."""
+    """The loss and every gradient of lrdsl's fp32 step against the same model run in float64.
+    transformers' own 'float64' model is no reference here: its linear-attention functions, gate
+    and norms cast to fp32 inside. The per-head gradients (A_log, dt_bias) are sums over every
+    token whose terms can cancel a thousandfold, which no plain relative tolerance suits; the next
+    test holds them against the magnitudes of their terms."""
     seed = int(torch.seed() % 2**31)
     corpus = train_hybrid.stdlib_bytes(1 << 16)
     tokens = next(train_hybrid.batches(corpus, batch=2, seq_len=48, steps=1, data_seed=seed))
     (loss32, grads32), (loss64, grads64) = (_first_step(train_hybrid, "lrdsl", tokens, dtype)
                                             for dtype in (torch.float32, torch.float64))
     assert relative_error(loss32.double(), loss64) <= TOLERANCE[torch.float32]
-    errors = {name: relative_error(grads32[name].double(), grads64[name]) for name in grads64}
+    errors = {name: relative_error(grads32[name].double(), grads64[name]) for name in grads64
+              if not name.endswith(PER_HEAD)}
     assert max(errors.values()) <= TOLERANCE[torch.float32], (seed, sorted(errors.items(), key=lambda e: -e[1])[:3])
 
 
@@ -98,8 +100,16 @@ def _linear_attention_calls(train_hybrid, monkeypatch, tokens):
 def test_per_head_gradients_against_the_float64_oracle(train_hybrid, monkeypatch):
     """On each linear-attention layer's own inputs and output gradient from a training step, the
     gradients of A_log and dt_bias from lrdsl's fp32 kernels against the float64 oracle, beside
-    transformers' fp32 torch path on the same inputs. lrdsl is within fp32 tolerance and closer
-    than the torch path (seeds 1-6: lrdsl 1.4e-6 to 1.1e-4, the torch path 6.5e-5 to 6.6e-3)."""
+    transformers' fp32 torch path on the same inputs.
+
+    Each is a sum over every token of the layer, d dt_bias = sum_t d_a_t and d A_log = sum_t
+    d_a_t softplus(x_t) / sigmoid(x_t) (x = a + dt_bias), whose terms can cancel to 1/2500 of their
+    magnitudes (a draw of this test). fp32 rounding of the terms then shows in the sum magnified
+    that much, so the error of each head's gradient is held against the sum of its terms'
+    magnitudes: within fp32's tolerance of it for lrdsl (seen: at most 7e-6 of it; 1.4e-6 to
+    2.4e-3 as a plain relative error), and no further than the torch path's (seen: 3e-2 to 8.5 of
+    it; 4.5e-5 to 4.7e-2 relative: its chunked gate gradient is a difference of cumulative sums,
+    off in absolute terms where strong decays leave the true one near 0)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     import lrdsl
@@ -125,16 +135,20 @@ def test_per_head_gradients_against_the_float64_oracle(train_hybrid, monkeypatch
     def oracle(q, k, v, a, b, A_log, dt_bias):
         return reference.run(spec, q, k, v, a, b, A_log, dt_bias, use_qk_l2norm_in_kernel=True)[0]
 
-    def per_head_gradients(run, call, dtype):
+    def gradients(run, call, dtype, wrt):  # wrt: positions of a, A_log, dt_bias (3, 5, 6)
         inputs = [x.to(dtype).requires_grad_() for x in call["inputs"]]
-        return torch.autograd.grad(run(*inputs), inputs[-2:], call["do"].to(dtype))
+        return torch.autograd.grad(run(*inputs), [inputs[i] for i in wrt], call["do"].to(dtype))
 
-    worst = {"lrdsl": 0.0, "torch path": 0.0}
+    worst = {"lrdsl": 0.0, "torch path": 0.0}  # per head: |error| / the sum of its terms' magnitudes
     for call in calls:
-        exact = per_head_gradients(oracle, call, torch.float64)
+        d_a, d_A_log, d_dt_bias = gradients(oracle, call, torch.float64, (3, 5, 6))
+        x = (call["inputs"][3] + call["inputs"][6]).double()
+        magnitudes = ((d_a * torch.nn.functional.softplus(x) / torch.sigmoid(x)).abs().sum((0, 1)),
+                      d_a.abs().sum((0, 1)))
         for name, run in (("lrdsl", lrdsl_fp32), ("torch path", torch_path_fp32)):
-            got = per_head_gradients(run, call, torch.float32)
-            worst[name] = max(worst[name], *(relative_error(x.double(), y) for x, y in zip(got, exact)))
+            got = gradients(run, call, torch.float32, (5, 6))
+            for x, y, magnitude in zip(got, (d_A_log, d_dt_bias), magnitudes):
+                worst[name] = max(worst[name], float(((x.double() - y).abs() / magnitude).max()))
     assert worst["lrdsl"] <= TOLERANCE[torch.float32], (seed, worst)
     assert worst["lrdsl"] <= worst["torch path"], (seed, worst)
 
