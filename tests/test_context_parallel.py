@@ -247,6 +247,17 @@ def _extras_rank_main(rank, world, init, out_dir, fns, layouts):
         o, _ = module("gdn").chunk(leaves[0], leaves[1], o, *leaves[3:], cp_context=ctx)
         (o * d_o[:, lo:hi]).sum().backward()
         torch.save(dict(o=o.detach(), grads=[t.grad for t in leaves]), os.path.join(out_dir, f"chained.{rank}.pt"))
+        # the same two calls under torch.compile (the context's collectives are outside the graph)
+        leaves = [t[:, lo:hi].clone().requires_grad_() for t in tensors]
+
+        def two_calls(q, k, v, *extras):
+            o, _ = module("gdn").chunk(q, k, v, *extras, cp_context=ctx)
+            return module("gdn").chunk(q, k, o, *extras, cp_context=ctx)[0]
+
+        torch._dynamo.reset()
+        o = torch.compile(two_calls, backend="aot_eager")(*leaves)
+        (o * d_o[:, lo:hi]).sum().backward()
+        torch.save(dict(o=o.detach(), grads=[t.grad for t in leaves]), os.path.join(out_dir, f"compiled.{rank}.pt"))
         for layout in layouts:  # the layer: its convolution's halo, then the recurrence
             layer, x, d_out = _layer()
             ctx = build_cp_context(torch.tensor(LAYOUTS[layout]), group=None, conv1d_kernel_size=4)
@@ -266,7 +277,7 @@ EXTRAS_FNS, EXTRAS_LAYOUTS, EXTRAS_WORLD = ("chunk_gated_delta_rule", "chunk_kda
 @functools.lru_cache(maxsize=None)
 def _extras_results():
     """The ops and layer cases, run by one spawn of EXTRAS_WORLD ranks: {name: [per-rank results]}."""
-    names = list(EXTRAS_FNS) + ["chained"] + [f"layer.{layout}" for layout in EXTRAS_LAYOUTS]
+    names = list(EXTRAS_FNS) + ["chained", "compiled"] + [f"layer.{layout}" for layout in EXTRAS_LAYOUTS]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_extras_rank_main, args=(EXTRAS_WORLD, f"tcp://127.0.0.1:{_free_port()}", out_dir,
                                                     EXTRAS_FNS, EXTRAS_LAYOUTS),
@@ -296,9 +307,11 @@ def test_ops_entry_points_take_cp_context():
         assert not bad, f"{fn} on {EXTRAS_WORLD} ranks: {bad}"
 
 
-def test_chained_calls():
-    """Two calls, the second's v the first's o, on 2 ranks against the same in one process."""
-    ranks = _extras_results()["chained"]
+@pytest.mark.parametrize("case", ["chained", "compiled"])
+def test_chained_calls(case):
+    """Two calls, the second's v the first's o, on 2 ranks against the same in one process; eager,
+    and the two calls in one torch.compile'd function (aot_eager on the CPU)."""
+    ranks = _extras_results()[case]
     rec, tensors, h0, d_o, d_ht = _inputs("gdn", LAYOUTS["crossing"], False)
     cu = torch.tensor(LAYOUTS["crossing"], dtype=torch.int32)
     leaves = [t.clone().requires_grad_() for t in tensors]
@@ -309,7 +322,7 @@ def test_chained_calls():
     for i, leaf in enumerate(leaves):
         errors[f"d_{i}"] = relative_error(torch.cat([r["grads"][i] for r in ranks], dim=1), leaf.grad)
     bad = {k: e for k, e in errors.items() if not e <= TOLERANCE[torch.float32]}
-    assert not bad, f"two chained calls on {EXTRAS_WORLD} ranks: {bad}"
+    assert not bad, f"two chained calls ({case}) on {EXTRAS_WORLD} ranks: {bad}"
 
 
 def test_layer_takes_cp_context():
