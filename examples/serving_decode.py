@@ -10,7 +10,10 @@ recurrent() for a spec without a chunk form), then decoded in a batch of fixed s
 per request per step: one request leaves and another joins its slot. Every other step is
 speculative: 3 draft tokens per request are verified at once (their outputs come back, the pool
 is only read), a random number of them is accepted, and commit() writes each row's state after
-its accepted tokens. On a GPU the decode step and the verify + commit step are CUDA graphs,
+its accepted tokens. The last step drafts a tree per request (two candidates for the next token,
+a continuation of each, and a third token after the first): verify(..., parents=) gives every
+candidate's output along its own path, and commit(draft, accepted_node=) writes the state after
+the path that was accepted. On a GPU the decode step and the verify + commit steps are CUDA graphs,
 captured once and replayed with new inputs. Random tensors stand in for the model's projections.
 Every step's outputs and, at the end, every request's pool row are compared with the oracle run
 over that request's tokens, within the tolerance of the dtypes (fp32 2e-3, 16-bit inputs or pool
@@ -42,6 +45,18 @@ from lrdsl.spec import load_spec_by_name  # noqa: E402
 from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error  # noqa: E402
 
 SLOTS, POOL_ROWS, DRAFTS = 4, 8, 3
+# the draft tree of the last step: each draft token's parent (-1: the request's state)
+#   token 0, token 1: two candidates for the next token; 2 follows 0, 3 follows 1, 4 follows 2
+TREE = [-1, -1, 0, 1, 2]
+
+
+def path(node):
+    """The draft tokens from the root of TREE to `node`, in order (none for -1)."""
+    tokens = []
+    while node >= 0:
+        tokens.append(node)
+        node = TREE[node]
+    return tokens[::-1]
 
 
 @dataclass
@@ -76,9 +91,11 @@ class Engine:
     def per_token(self):
         return [True] * 3 + [i.role.per_token for i in self.rec.inputs]
 
-    def oracle(self, request, tensors, n, first, count):
-        """The oracle over tokens first .. first+count of sequence n: its o; advances the request."""
-        picked = [t[n:n + 1, first:first + count] if p else t for t, p in zip(tensors, self.per_token())]
+    def oracle(self, request, tensors, n, first, count, tokens=None):
+        """The oracle over tokens first .. first+count of sequence n (or over the token indices
+        `tokens`: a path of a draft tree): its o; advances the request."""
+        index = list(range(first, first + count)) if tokens is None else tokens
+        picked = [t[n:n + 1, index] if p else t for t, p in zip(tensors, self.per_token())]
         o, final = reference.run(self.rec, *picked, initial_state=request.state[None], output_final_state=True,
                                  use_qk_l2norm_in_kernel=True)
         request.state = final[0]
@@ -172,8 +189,21 @@ def main(argv=None) -> int:
                    use_qk_l2norm_in_kernel=True)
         mod.commit(draft, accepted, validate=False)
 
+    # the tree step's static buffers: its tokens, the tree, each request's accepted node (-1: none)
+    tree_in, parents = engine.tokens(SLOTS, len(TREE)), torch.tensor([TREE] * SLOTS, device=device)
+    accepted_node = torch.full((SLOTS,), -1, dtype=torch.int32, device=device)
+    tree_out = torch.empty(SLOTS, len(TREE), shape.HV, shape.V, dtype=dtype, device=device)
+    _, tree_draft = mod.verify(*tree_in, state_pool=pool, state_indices=indices, parents=parents,
+                               use_qk_l2norm_in_kernel=True)
+
+    def tree_verify_and_commit():
+        mod.verify(*tree_in, state_pool=pool, state_indices=indices, parents=parents, validate=False, out=tree_out,
+                   draft=tree_draft, use_qk_l2norm_in_kernel=True)
+        mod.commit(tree_draft, accepted_node=accepted_node, validate=False)
+
     with torch.no_grad():
         step_decode, step_verify = capture_or_call(decode, on_gpu), capture_or_call(verify_and_commit, on_gpu)
+        step_tree = capture_or_call(tree_verify_and_commit, on_gpu)
     for step in range(6):
         if step == 3:  # B is done: its slot goes to D, prefilled into a fresh row
             leaving = slots[1]
@@ -205,6 +235,25 @@ def main(argv=None) -> int:
                 r.state = start
                 engine.oracle(r, draft_in, n, 0, int(counts[n]))  # then only the accepted tokens advance it
             engine.check("o of every draft", verify_out[[n for n, _ in live]], torch.stack(expected))
+
+    engine.step = "step 6: "
+    nodes = torch.randint(-1, len(TREE), (SLOTS,), generator=generator)
+    for static, fresh in zip(tree_in, engine.tokens(SLOTS, len(TREE))):
+        static.copy_(fresh)
+    accepted_node.copy_(nodes)
+    step_tree()
+    live = [(n, r) for n, r in enumerate(slots) if r]
+    print(f"step 6: verify a tree of {len(TREE)} drafts each (parents {TREE}), accepted paths " +
+          " ".join(f"{r.name} {path(int(nodes[n]))}" for n, r in live))
+    expected = []
+    for n, r in live:
+        start = r.state.clone()
+        for node in range(len(TREE)):  # each draft token's output along its own path
+            expected.append(engine.oracle(r, tree_in, n, 0, 0, tokens=path(node))[-1])
+            r.state = start.clone()
+        engine.oracle(r, tree_in, n, 0, 0, tokens=path(int(nodes[n])))  # the accepted path advances it
+    engine.check("o of every node of the tree", tree_out[[n for n, _ in live]].reshape(-1, shape.HV, shape.V),
+                 torch.stack(expected))
     rows = [r.row for r in slots if r]
     engine.step = ""
     engine.check("final pool rows of the requests in the batch", pool[rows].double(),

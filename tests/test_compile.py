@@ -141,6 +141,30 @@ def test_serving_step_compiles_fullgraph(name, generator, device):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("name", ["gdn", "rwkv7", "gated_deltaproduct"])
+def test_tree_verify_and_commit_compile_fullgraph(name, generator, device):
+    """verify(..., parents=) of a tree of drafts and commit(draft, accepted_node=) compile with
+    fullgraph=True and give the eager calls' outputs and pool, bit for bit."""
+    mod = module(name)
+    _, drafts = split(name, [t.to(device) for t in small_inputs(name, generator, B=2, T=5)], 1)
+    pool = torch.randn(4, 2, 8, 12, generator=generator).to(device)
+    indices, leaves = torch.tensor([3, 1], device=device), torch.tensor([3, 2], device=device)
+    parents = torch.tensor([[-1, 0, 0, 2], [-1, -1, 1, 0]], device=device)
+
+    def step(pool, drafts):
+        o, draft = mod.verify(*drafts, state_pool=pool, state_indices=indices, parents=parents, validate=False)
+        mod.commit(draft, accepted_node=leaves, validate=False)
+        return o
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=BACKEND)
+    pools = [pool.clone(), pool.clone()]
+    with torch.no_grad():
+        got, expected = compiled(pools[0], drafts), step(pools[1], drafts)
+    assert torch.equal(got, expected)
+    assert torch.equal(pools[0], pools[1]) and not torch.equal(pools[0], pool)
+
+
 def test_custom_ops_pass_opcheck(generator, device):
     """torch.library.opcheck on every op of a module: schema (which arguments are mutated),
     autograd registration, fake implementations against the real ones, AOT dispatch."""
@@ -175,22 +199,39 @@ def test_verify_and_commit_ops_pass_opcheck(name, generator, device):
     pool = torch.randn(4, 2, 8, 12, generator=generator).to(device)
     indices, accepted = torch.tensor([3, 0], device=device), torch.tensor([1, 3], device=device)
     scale = 8 ** -0.5
-    verify_args = (q, k, v, extras, pool, indices, None, scale, True, False, True)
+    verify_args = (q, k, v, extras, pool, indices, None, scale, True, False, True, None)
     results = torch.library.opcheck(ops.verify, verify_args)
     assert set(results.values()) == {"SUCCESS"}, results
     _, *draft = ops.verify(*verify_args)
     assert [x.numel() > 0 for x in draft[3:]] == [rec.has_low_rank] * 2, "b and r: present exactly for a low-rank term"
-    commit_args = (pool.clone(), indices, accepted, *draft, None, False, True)
+    commit_args = (pool.clone(), indices, accepted, *draft, None, False, True, None)
     results = torch.library.opcheck(ops.commit, commit_args)
     assert set(results.values()) == {"SUCCESS"}, results
     committed = pool.clone()
-    ops.commit(committed, indices, accepted, *draft, None, False, True)
+    ops.commit(committed, indices, accepted, *draft, None, False, True, None)
     per_token = [True] * 3 + [i.role.per_token for i in rec.inputs]
     for n, (row, count) in enumerate(zip(indices.tolist(), accepted.tolist())):
         prefix = [(t[n:n + 1, :count] if p else t).double().cpu() for t, p in zip((q, k, v, *extras), per_token)]
         _, expected = reference.run(rec, *prefix, initial_state=pool[row][None].double().cpu(), output_final_state=True,
                                     use_qk_l2norm_in_kernel=True, scale=scale)
         assert relative_error(committed[row][None], expected) <= LIMIT, f"row {row} after {count} accepted"
+
+    # a tree of drafts: token 2 of sequence 0 follows token 0, token 1 of sequence 1 the pool row
+    parents = torch.tensor([[-1, 0, 0], [-1, -1, 1]], device=device)
+    tree_args = verify_args[:-1] + (parents,)
+    results = torch.library.opcheck(ops.verify, tree_args)
+    assert set(results.values()) == {"SUCCESS"}, results
+    _, *draft = ops.verify(*tree_args)
+    leaves = torch.tensor([2, 2], device=device)
+    results = torch.library.opcheck(ops.commit, (pool.clone(), indices, leaves, *draft, None, False, True, parents))
+    assert set(results.values()) == {"SUCCESS"}, results
+    committed = pool.clone()
+    ops.commit(committed, indices, leaves, *draft, None, False, True, parents)
+    for n, (row, path) in enumerate(zip(indices.tolist(), ([0, 2], [1, 2]))):
+        tokens = [(t[n:n + 1, path] if p else t).double().cpu() for t, p in zip((q, k, v, *extras), per_token)]
+        _, expected = reference.run(rec, *tokens, initial_state=pool[row][None].double().cpu(), output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, scale=scale)
+        assert relative_error(committed[row][None], expected) <= LIMIT, f"row {row} after the path {path}"
 
 
 def test_a_bad_tensor_under_compile_names_it(generator, device):

@@ -303,20 +303,25 @@ def test_readme_ops_example(generator, tmp_path):
 
 def test_readme_serving_example(generator, tmp_path):
     """The serving example as written: prompts of 6, 0 and 9 tokens prefilled into rows 4, 0, 2 of
-    a pool of 5; a decode step and a verify of 4 drafts on slots (2, -1, 4); commit of 3 and 1."""
+    a pool of 5; a decode step and a verify of 4 drafts on slots (2, -1, 4); commit of 3 and 1;
+    then a tree of 5 drafts per slot verified, and the paths to draft tokens 4 and 3 committed."""
     example = fenced_blocks(ROOT / "README.md", "python")[3]
     rec = recurrence("gdn")
     P, HV, K, V = 5, 2, 16, 24
     prompt = make_inputs(rec, Shape(1, 15, 1, HV, K, V), generator=generator)
     step = make_inputs(rec, Shape(3, 1, 1, HV, K, V), generator=generator)
     drafts = make_inputs(rec, Shape(3, 4, 1, HV, K, V), generator=generator)
+    tree = make_inputs(rec, Shape(3, 5, 1, HV, K, V), generator=generator)
+    parents = [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, -1, 1, 1, 3]]
     inputs = dict(P=P, HV=HV, K=K, V=V, cu_seqlens=torch.tensor([0, 6, 6, 15]), rows=torch.tensor([4, 0, 2]),
-                  slots=torch.tensor([2, -1, 4]), num_accepted=torch.tensor([3, 0, 1]))
-    for suffix, tensors in (("", prompt), ("1", step), ("4", drafts)):
+                  slots=torch.tensor([2, -1, 4]), num_accepted=torch.tensor([3, 0, 1]),
+                  parents=torch.tensor(parents), leaves=torch.tensor([4, 2, 3]))
+    for suffix, tensors in (("", prompt), ("1", step), ("4", drafts), ("5", tree)):
         inputs.update({name + suffix: t for name, t in zip(("q", "k", "v", "g", "beta"), tensors)})
     # the README's `mod` (its first example) and no gradients (the README: pool calls have none)
     setup = "import lrdsl\nmod = lrdsl.load('gdn')\ntorch.set_grad_enabled(False)"
-    got = run_as_user(example, tmp_path, inputs, {"o": "o", "o1": "o1", "o4": "o4", "pool": "pool"}, setup=setup)
+    got = run_as_user(example, tmp_path, inputs, {"o": "o", "o1": "o1", "o4": "o4", "o5": "o5", "pool": "pool"},
+                      setup=setup)
 
     states = torch.zeros(P, HV, K, V, dtype=torch.float64)
     ref_o, final = reference.run(rec, *prompt, cu_seqlens=torch.tensor([0, 6, 6, 15]), output_final_state=True)
@@ -333,7 +338,20 @@ def test_readme_serving_example(generator, tmp_path):
         _, final = reference.run(rec, *[t[n:n + 1, :accepted] for t in drafts], initial_state=states[row][None],
                                  output_final_state=True)
         states[row] = final[0]
-    assert_close(got["pool"], states, torch.float32, "pool after commit")
+
+    def path(n, node):  # draft tokens from the root of slot n's tree to `node`
+        return path(n, parents[n][node]) + [node] if node >= 0 else []
+
+    for n, row in ((0, 2), (2, 4)):
+        for node in range(5):
+            o, _ = reference.run(rec, *[t[n:n + 1, path(n, node)] for t in tree], initial_state=states[row][None])
+            assert_close(got["o5"][n, node], o[0, -1], torch.float32, f"tree verify o, slot {n}, draft token {node}")
+    assert not got["o5"][1].any(), "the padding slot's tree"
+    for n, row, leaf in ((0, 2, 4), (2, 4, 3)):
+        _, final = reference.run(rec, *[t[n:n + 1, path(n, leaf)] for t in tree], initial_state=states[row][None],
+                                 output_final_state=True)
+        states[row] = final[0]
+    assert_close(got["pool"], states, torch.float32, "pool after both commits")
 
 
 def test_readme_varlen_recipe(generator, tmp_path):

@@ -80,12 +80,13 @@ def check_training_run(words):
 
 
 def check_serving_output(command, stdout):
-    for needed in ("prefill A (5 tokens)", "B leaves", "D joins slot 1", "verify 3 drafts each, accepted", "final pool rows"):
+    for needed in ("prefill A (5 tokens)", "B leaves", "D joins slot 1", "verify 3 drafts each, accepted",
+                   "verify a tree of 5 drafts each", "o of every node of the tree", "final pool rows"):
         assert needed in stdout, needed
     errors = [float(x) for x in re.findall(r"relative error vs the oracle (\S+)", stdout)]
     sixteen_bit = HAS_GPU or "--state-dtype" in command  # bf16 inputs on a GPU, a 16-bit pool
     limit = 8e-3 if sixteen_bit else 2e-3
-    assert len(errors) == 9 and max(errors) <= limit, stdout  # 2 prefills, 6 steps, the final rows
+    assert len(errors) == 10 and max(errors) <= limit, stdout  # 2 prefills, 6 steps, the tree step, the final rows
 
 
 def test_a_failing_serving_check_names_itself(monkeypatch, capsys):

@@ -20,8 +20,10 @@ from .recurrent import (
     decay_op,
     emit_commit_kernel,
     emit_recurrent_kernel,
+    emit_tree_verify_kernel,
     has_low_rank,
     kernel_name,
+    tree_verify_kernel_name,
 )
 from .templating import host_code, render
 
@@ -70,6 +72,8 @@ def emit_recurrent_section(step: StepProgram, rec: Recurrence) -> str:
         kernel_name=kernel_name(step),
         commit_kernel=emit_commit_kernel(step).rstrip("\n"),
         commit_kernel_name=commit_kernel_name(step),
+        tree_verify_kernel=emit_tree_verify_kernel(step).rstrip("\n"),
+        tree_verify_kernel_name=tree_verify_kernel_name(step),
         spec_name=rec.name,
         positional=", ".join(_positional(rec)),
         signature=signature(_positional(rec), RECURRENT_OPTIONS),

@@ -64,6 +64,7 @@ VERIFY_OPTIONS = (
     ("validate", "True"),
     ("out", "None"),
     ("draft", "None"),
+    ("parents", "None"),
 )
 # chunk() only: the state at the start of every chunk returned too (FLA's option of that name), a
 # forward without gradients that chunk() runs itself rather than passing it on to _chunk

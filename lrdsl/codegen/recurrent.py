@@ -6,6 +6,7 @@ the next token at the end of the body.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..errors import CompileError
@@ -187,6 +188,10 @@ def commit_kernel_name(prog: StepProgram) -> str:
     return f"{prog.recurrence.name}_commit_kernel"
 
 
+def tree_verify_kernel_name(prog: StepProgram) -> str:
+    return f"{prog.recurrence.name}_tree_verify_kernel"
+
+
 def decay_op(prog: StepProgram) -> DecayState | None:
     return next((op for op in prog.body if isinstance(op, DecayState)), None)
 
@@ -263,6 +268,36 @@ def emit_commit_kernel(prog: StepProgram) -> str:
         spec_name=prog.recurrence.name,
         replayed_update=replayed_update(prog),
         body=indent(body, 8),
+    )
+
+
+def _at_token(lines: list[str]) -> list[str]:
+    """Pointer set-up lines, which address a sequence's first row `bos`, at row `t` instead."""
+    return [re.sub(r"\bbos\b", "t", line) for line in lines]
+
+
+def emit_tree_verify_kernel(prog: StepProgram) -> str:
+    """The tree verify kernel: the step program's body run along each draft token's path, its
+    pointers set at each row it runs (the rows of a path are not consecutive)."""
+    prologue: list[str] = []
+    pointers: list[str] = []
+    body: list[str] = []
+    for op in prog.prologue:
+        emission = STEP_EMITTERS.lookup(op)(op, prog)
+        prologue += emission.setup + emission.lines
+    for op in prog.body:
+        emission = STEP_EMITTERS.lookup(op)(op, prog)
+        pointers += _at_token(emission.setup)
+        body += emission.lines
+    return render(
+        "tree_verify.py.jinja",
+        kernel_name=tree_verify_kernel_name(prog),
+        spec_name=prog.recurrence.name,
+        input_pointers=[input_pointer(i.name) for i in prog.recurrence.inputs],
+        prologue=indent(["# per-head inputs"] + prologue, 4) if prologue else "",
+        pointers=indent(["# row t's pointers"] + pointers, 12),
+        body=indent(body, 12),
+        draft=indent(emit_draft_stores(prog), 12),
     )
 
 
