@@ -206,3 +206,60 @@ def test_steps_per_token_trees_are_checked_in_tokens(generator, device):
     _, draft = mod.verify(*tensors, state_pool=pool, state_indices=slots, parents=torch.tensor([[-1, 0, 0]], device=device))
     with pytest.raises(InputError, match=r"accepted_node\[0\] = 3 is outside -1 \.\. 2"):
         mod.commit(draft, accepted_node=torch.tensor([3], device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gdn", "kda", "rwkv7", "gated_deltaproduct"])
+def test_gpu_tree_verify_bf16_in_a_cuda_graph(name, generator):
+    """bf16 inputs at K = V = 128 on a bf16 pool: tree verify + commit captured once in a CUDA
+    graph (validate=False) and replayed with new inputs; every node's output and the committed
+    rows against the oracle at bf16's tolerance, and equal to the eager calls'."""
+    rec, mod = recurrence(name), module(name)
+    shape = Shape(4, 5, 2, 4, 128, 128)
+    pool = (torch.randn(6, 4, 128, 128, generator=generator) * 0.5).to("cuda", torch.bfloat16)
+    slots = torch.tensor([5, 0, -1, 2], device="cuda")
+    parents = torch.tensor(PARENTS + [[-1, 0, 1, 2, 3]], device="cuda")
+    leaves = torch.tensor([4, 1, 0, 3], device="cuda")
+
+    def draw_inputs():
+        return [t.cuda() for t in make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator)]
+
+    static = draw_inputs()
+    out = torch.empty(4, 5, 4, 128, dtype=torch.bfloat16, device="cuda")
+    working = pool.clone()
+    _, draft = mod.verify(*static, state_pool=working, state_indices=slots, parents=parents)
+
+    def step():
+        mod.verify(*static, state_pool=working, state_indices=slots, parents=parents, validate=False, out=out,
+                   draft=draft)
+        mod.commit(draft, accepted_node=leaves, validate=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        step()
+    fresh = draw_inputs()
+    for x, y in zip(static, fresh):
+        x.copy_(y)
+    working.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_pool = pool.clone()
+    with torch.no_grad():
+        o, eager_draft = mod.verify(*fresh, state_pool=eager_pool, state_indices=slots, parents=parents)
+        mod.commit(eager_draft, accepted_node=leaves)
+    assert torch.equal(out, o) and torch.equal(working, eager_pool)
+    tensors = [t.cpu() for t in fresh]
+    limit = TOLERANCE[torch.bfloat16]
+    for n, row in enumerate(slots.tolist()):
+        if row < 0:
+            continue
+        for node in range(5):
+            expected, _ = oracle(rec, tensors, n, path(parents[n].tolist(), node), pool[row].cpu().float())
+            assert relative_error(o[n, node], expected) <= limit, f"sequence {n}, draft token {node}"
+        _, final = oracle(rec, tensors, n, path(parents[n].tolist(), int(leaves[n])), pool[row].cpu().float())
+        assert relative_error(working[row], final) <= limit, f"sequence {n}: committed row"
