@@ -271,6 +271,29 @@ def emit_commit_kernel(prog: StepProgram) -> str:
     )
 
 
+@dataclass
+class StepEmission:
+    """A step program as Triton lines: the prologue's (set-up and loads, once per sequence), and
+    the body's pointer set-up at the sequence's first row `bos`, per-token lines and pointer steps."""
+    prologue: list[str]
+    setup: list[str]
+    body: list[str]
+    advance: list[str]
+
+
+def emit_step(prog: StepProgram) -> StepEmission:
+    out = StepEmission([], [], [], [])
+    for op in prog.prologue:
+        emission = STEP_EMITTERS.lookup(op)(op, prog)
+        out.prologue += emission.setup + emission.lines
+    for op in prog.body:
+        emission = STEP_EMITTERS.lookup(op)(op, prog)
+        out.setup += emission.setup
+        out.body += emission.lines
+        out.advance += emission.advance
+    return out
+
+
 def _at_token(lines: list[str]) -> list[str]:
     """Pointer set-up lines, which address a sequence's first row `bos`, at row `t` instead."""
     return [re.sub(r"\bbos\b", "t", line) for line in lines]
@@ -279,47 +302,29 @@ def _at_token(lines: list[str]) -> list[str]:
 def emit_tree_verify_kernel(prog: StepProgram) -> str:
     """The tree verify kernel: the step program's body run along each draft token's path, its
     pointers set at each row it runs (the rows of a path are not consecutive)."""
-    prologue: list[str] = []
-    pointers: list[str] = []
-    body: list[str] = []
-    for op in prog.prologue:
-        emission = STEP_EMITTERS.lookup(op)(op, prog)
-        prologue += emission.setup + emission.lines
-    for op in prog.body:
-        emission = STEP_EMITTERS.lookup(op)(op, prog)
-        pointers += _at_token(emission.setup)
-        body += emission.lines
+    step = emit_step(prog)
     return render(
         "tree_verify.py.jinja",
         kernel_name=tree_verify_kernel_name(prog),
         spec_name=prog.recurrence.name,
         input_pointers=[input_pointer(i.name) for i in prog.recurrence.inputs],
-        prologue=indent(["# per-head inputs"] + prologue, 4) if prologue else "",
-        pointers=indent(["# row t's pointers"] + pointers, 12),
-        body=indent(body, 12),
+        prologue=indent(["# per-head inputs"] + step.prologue, 4) if step.prologue else "",
+        pointers=indent(["# row t's pointers"] + _at_token(step.setup), 12),
+        body=indent(step.body, 12),
         draft=indent(emit_draft_stores(prog), 12),
     )
 
 
 def emit_recurrent_kernel(prog: StepProgram) -> str:
-    setup: list[str] = []
-    body: list[str] = []
-    advance: list[str] = []
-    for op in prog.prologue:
-        emission = STEP_EMITTERS.lookup(op)(op, prog)
-        setup += emission.setup + emission.lines
-    for op in prog.body:
-        emission = STEP_EMITTERS.lookup(op)(op, prog)
-        setup += emission.setup
-        body += emission.lines
-        advance += emission.advance
+    step = emit_step(prog)
+    setup = step.prologue + step.setup
     return render(
         "recurrent.py.jinja",
         kernel_name=kernel_name(prog),
         spec_name=prog.recurrence.name,
         input_pointers=[input_pointer(i.name) for i in prog.recurrence.inputs],
         setup=indent(["# pointers to the first token of this sequence, per-head inputs"] + setup, 4),
-        body=indent(body, 8),
+        body=indent(step.body, 8),
         draft=indent(emit_draft_stores(prog), 12),
-        advance=indent(["# next token"] + advance, 8),
+        advance=indent(["# next token"] + step.advance, 8),
     )
