@@ -44,7 +44,7 @@ PHASES = {
     "family-b": (["kda", "gla", "rwkv7"], FAMILY),
     # FLA's hand-written delta-rule variants (its compile of their backward takes minutes: a phase
     # of their own)
-    "family-c": (["comba", "gdn2", "gated_deltaproduct"], FAMILY),
+    "family-c": (["gdn2", "gated_deltaproduct"], FAMILY),
     "decode": (["gdn"], "decode"),
 }
 

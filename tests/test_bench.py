@@ -23,6 +23,36 @@ from lrdsl.verification.workloads import Shape
 
 from conftest import HAS_GPU, ROOT
 from helpers import module, recurrence
+
+# Comba as fla-core 0.6.0's comba kernels compute it: the state read along p before the token's
+# decay, i.e. along p exp(-g) after it (not specs/comba.toml's, which reads along p after it)
+COMBA_AS_FLA = """
+name = "comba_fla"
+[recurrence]
+update = "delta"
+gate = "scalar"
+[inputs]
+p = "token_key"
+beta = "token"
+g = "token"
+[formulas]
+log_decay = "g"
+beta = "beta"
+delta_read = "p * exp(-g)"
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def comba_as_fla():
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import parse_spec
+
+    return run_pipeline(parse_spec(COMBA_AS_FLA, "comba_fla"), until="recurrence")["recurrence"]
+
+
+def any_recurrence(name):
+    """A shipped spec's recurrence, or "comba_fla": COMBA_AS_FLA's."""
+    return comba_as_fla() if name == "comba_fla" else recurrence(name)
 from test_cli import _script_module, assert_one_line_error, run
 
 TINY_TRAINING = Shape(2, 20, 1, 2, 16, 16)
@@ -43,7 +73,7 @@ class FakeFla:
         record = self._record
         gdn, deltanet, simple_gla = recurrence("gdn"), recurrence("deltanet"), recurrence("simple_gla")
         kda, gla, rwkv7 = recurrence("kda"), recurrence("gla"), recurrence("rwkv7")
-        comba, gdn2, deltaproduct = recurrence("comba"), recurrence("gdn2"), recurrence("gated_deltaproduct")
+        comba, gdn2, deltaproduct = comba_as_fla(), recurrence("gdn2"), recurrence("gated_deltaproduct")
 
         def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -227,7 +257,7 @@ EXPECTED_PARAMETERS = {
     "rwkv7": {"w": "w", "a": "a", "b": "b"},
     # comba's read vector p goes to p (fused_recurrent_comba takes it third, chunk_comba fourth);
     # gdn2's b and w, which its functions multiply into b * k and w * v themselves, to b and w
-    "comba": {"p": "p", "beta": "beta", "g": "g"},
+    "comba_fla": {"p": "p", "beta": "beta", "g": "g"},
     "gdn2": {"g": "g", "b": "b", "w": "w"},
     "gated_deltaproduct": {"g": "g", "beta": "beta"},
 }
@@ -238,7 +268,7 @@ NO_FLA_RECURRENT = {"gated_deltaproduct"}
 @pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))
 @pytest.mark.parametrize("decode", [False, True], ids=["chunk", "recurrent"])
 def test_fla_functions_are_called_by_keyword_with_each_input_by_role(name, decode, fake_fla, generator):
-    rec = recurrence(name)
+    rec = any_recurrence(name)
     baseline = bench.fla_baseline(rec)
     if decode and name in NO_FLA_RECURRENT:
         assert baseline.recurrent is None and bench.resolve_fla(baseline, fake_fla.importer)[1] is None
@@ -300,6 +330,29 @@ def test_an_fla_function_without_a_needed_parameter_is_a_failed_row_not_a_silent
     assert [(r.status, r.reason, r.ms, r.ratios) for r in rows] == [("FAILED", contender.problem, None, {})]
 
 
+def test_comba_as_fla_computes_it_reads_the_state_before_the_decay(generator):
+    """COMBA_AS_FLA's recurrence (read along p exp(-g) after the decay) is, in float64 token by
+    token, u_t = beta_t (v_t - S_{t-1}^T p_t), S_t = exp(g_t) S_{t-1} + k_t u_t^T: what fla-core
+    0.6.0's comba kernels compute (checked on the CPU against its naive chunk_comba, 3e-16, and
+    its fused_recurrent_comba under Triton's interpreter, 1.3e-7); specs/comba.toml's differs."""
+    B, T, H, K, V = 1, 40, 2, 8, 6
+    d = torch.float64
+    q, k, p = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=generator, dtype=d), dim=-1)
+               for _ in range(3))
+    v = torch.randn(B, T, H, V, generator=generator, dtype=d)
+    beta, g = torch.rand(B, T, H, generator=generator, dtype=d), -torch.rand(B, T, H, generator=generator, dtype=d)
+    S, rows = torch.zeros(B, H, K, V, dtype=d), []
+    for t in range(T):
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, p[:, t]))
+        S = g[:, t].exp()[..., None, None] * S + torch.einsum("bhk,bhv->bhkv", k[:, t], u)
+        rows.append(K ** -0.5 * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    before_decay = torch.stack(rows, dim=1)
+    o, _ = reference.run(comba_as_fla(), q, k, v, p, beta, g)
+    assert torch.allclose(o, before_decay, rtol=1e-12, atol=1e-12)
+    o, _ = reference.run(recurrence("comba"), q, k, v, p, beta, g)
+    assert (o - before_decay).norm() > 1e-2 * before_decay.norm()
+
+
 def test_specs_without_an_fla_counterpart_are_recognised():
     assert bench.fla_baseline(recurrence("linear_attn")) is None
     assert bench.fla_baseline(recurrence("kda_neg_eigval")) is None  # beta = 2 sigmoid(b): FLA takes beta
@@ -308,8 +361,10 @@ def test_specs_without_an_fla_counterpart_are_recognised():
     # never chunk_gated_delta_rule's; and gdn's is never the product's
     assert bench.fla_baseline(recurrence("gated_deltaproduct")).chunk.name == "chunk_gated_delta_product"
     assert bench.fla_baseline(recurrence("gdn")).chunk.name == "chunk_gated_delta_rule"
-    # comba's delta rule reads along p: not chunk_gated_delta_rule's (which has no p)
-    assert bench.fla_baseline(recurrence("comba")).chunk.name == "chunk_comba"
+    # comba's delta rule reads along p: not chunk_gated_delta_rule's (which has no p), and after the
+    # decay, not FLA's comba kernels' (which read before it: COMBA_AS_FLA is their recurrence)
+    assert bench.fla_baseline(recurrence("comba")) is None
+    assert bench.fla_baseline(comba_as_fla()).chunk.name == "chunk_comba"
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), FakeFla().importer) is not None
     assert bench.resolve_fla(bench.fla_baseline(recurrence("gdn")), _no_fla) is None
 
@@ -925,7 +980,7 @@ def test_family_covers_every_shipped_spec_with_an_fla_counterpart():
         rec = recurrence(path.stem)
         if bench.fla_baseline(rec) is not None:
             counterparts[rec.name] = rec
-    assert set(counterparts) == {"gdn", "gdn_qwen35", "deltanet", "simple_gla", "kda", "gla", "rwkv7", "comba", "gdn2",
+    assert set(counterparts) == {"gdn", "gdn_qwen35", "deltanet", "simple_gla", "kda", "gla", "rwkv7", "gdn2",
                                  "gated_deltaproduct"}
     assert bench.parse_shapes("family") == list(bench.FAMILY_SHAPES)
     family = bench.FAMILY_SHAPES[0]
@@ -941,7 +996,7 @@ def test_family_covers_every_shipped_spec_with_an_fla_counterpart():
             assert group == [("fla-triton", True, False), ("lrdsl", True, True)], (name, mode, rows)
     called = {name for name, _ in fake.calls}
     assert {"chunk_delta_rule", "chunk_simple_gla", "chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_rwkv7",
-            "chunk_comba", "chunk_gdn2", "chunk_gated_delta_product"} <= called
+            "chunk_gdn2", "chunk_gated_delta_product"} <= called
 
 
 def test_bench_peers_phases_cover_every_spec_with_an_fla_counterpart_and_issue_45s_shapes():
@@ -1064,7 +1119,7 @@ def test_bench_command_errors_are_one_line_before_any_gpu_work(tmp_path, capsys)
 def test_all_picks_every_spec_with_an_fla_counterpart(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     args = cli.build_parser().parse_args(["bench", "--all"])
-    assert cli._bench_spec_paths(args) == ["specs/comba.toml", "specs/deltanet.toml", "specs/gated_deltaproduct.toml",
+    assert cli._bench_spec_paths(args) == ["specs/deltanet.toml", "specs/gated_deltaproduct.toml",
                                            "specs/gdn.toml", "specs/gdn2.toml", "specs/gdn_qwen35.toml", "specs/gla.toml",
                                            "specs/kda.toml", "specs/rwkv7.toml", "specs/simple_gla.toml"]
     monkeypatch.chdir(tmp_path)

@@ -86,7 +86,12 @@ class FlaBaseline:
 # nothing is passed by position.
 _GATE_AND_BETA = {"gate": "g", "beta": "beta"}
 _RWKV7_ROLES = {"gate": "w", "read": "a", "write": "b"}
-_COMBA_ROLES = {"gate": "g", "beta": "beta", "delta_read": "p"}
+# fla-core 0.6.0's comba kernels (chunk_comba, fused_recurrent_comba) read the state along p
+# *before* the token's decay, u_t = beta_t (v_t - S_{t-1}^T p_t), where its naive_recurrent_comba
+# (and specs/comba.toml) reads it after: the two differ by 8.9 % in float64 at g in [-1, 0]. After
+# the decay that read is along p_t exp(-g_t): the recurrence these functions compute, which
+# specs/comba.toml's is not
+_COMBA_FORM = dict(formulas={"gate": "g", "beta": "beta", "delta_read": "p * exp(-g)"})
 _GDN2_FORM = dict(formulas={"gate": "g", "delta_read": "b * k", "write_value": "w * v"})
 # FlashQLA 0.1.3's entry point, with the options FLA's FlashQLA backend passes (no varlen,
 # intra-card context parallelism on)
@@ -111,12 +116,12 @@ FLA_BASELINES = {
             FlaFunction("chunk_gated_delta_rule", **_GDN_IN_KERNEL, from_kwargs=("use_gate_in_kernel", "A_log", "dt_bias")),
             FlaFunction("fused_recurrent_gated_delta_rule", **_GDN_IN_KERNEL),
         ),
-        # Comba: the delta rule reads the state along its own p (fused_recurrent_comba takes p
-        # third, so again nothing by position)
+        # Comba as FLA's kernels compute it (_COMBA_FORM; fused_recurrent_comba takes p third,
+        # so again nothing by position)
         FlaBaseline(
             "fla.ops.comba",
-            FlaFunction("chunk_comba", _COMBA_ROLES),
-            FlaFunction("fused_recurrent_comba", _COMBA_ROLES),
+            FlaFunction("chunk_comba", **_COMBA_FORM),
+            FlaFunction("fused_recurrent_comba", **_COMBA_FORM),
         ),
         # Gated DeltaProduct: k, v and beta of num_householder steps per token; FLA ships no
         # recurrent form of it
