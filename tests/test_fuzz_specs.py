@@ -420,7 +420,7 @@ def in_range(rec, tensors, HV: int) -> bool:
         if growth.max() > LOW_RANK_GROWTH:
             return False
     if rec.delta_read is not None:
-        B, T, _, K = tensors[0].shape
+        B, T, _, K = tensors[1].shape  # k's rows: one per update step (several per token with steps_per_token)
         r = evaluate_formula(rec.delta_read, named, roles, HV, True).expand(B, T, HV, K)
         beta = torch.ones(B, T, HV, dtype=torch.float64)
         if rec.beta is not None:
@@ -755,3 +755,14 @@ def test_the_fuzzers_dtype_knob_refuses_what_it_does_not_know(monkeypatch):
         config.fuzz_dtype()
     monkeypatch.delenv("LRDSL_FUZZ_DTYPE")
     assert config.fuzz_dtype() == "float32"
+
+
+def test_in_range_reads_a_delta_vector_per_step(tmp_path):
+    """A read vector with several steps per token has a row per step, as k does: in_range used
+    to expand it to one row per token and failed (the fuzzer's GPU pass drew it, steps = 3)."""
+    path = tmp_path / "steps.toml"
+    path.write_text('name = "steps"\n[recurrence]\nupdate = "delta"\ngate = "none"\nsteps_per_token = 3\n'
+                    '[inputs]\nA = "token"\n[formulas]\ndelta_read = "k * sigmoid(A)"\n')
+    rec = valid_recurrence(path)
+    tensors = make_inputs(rec, Shape(1, 2, 1, 1, 8, 8), generator=torch.Generator().manual_seed(0))
+    assert in_range(rec, tensors, 1)

@@ -261,6 +261,22 @@ def test_any_spec_takes_steps_without_a_gate(generator, device, tmp_path):
                   "deltaproduct chunk")
 
 
+def test_steps_take_a_written_value_per_value_channel(generator, device, tmp_path):
+    """Two steps per token with an input of one row of V per step (GDN-2's w, written value w * v):
+    before, every call died in the host code (KeyError: 'V', the row layout knew no V); the
+    spec fuzzer's GPU pass drew it. recurrent and chunk, with gradients, against the oracle."""
+    path = tmp_path / "written.toml"
+    path.write_text('name = "written"\n[recurrence]\nupdate = "delta"\ngate = "scalar"\nsteps_per_token = 2\n'
+                    '[inputs]\nw = "token_value"\nbeta = "token"\ng = "token"\n'
+                    '[formulas]\nlog_decay = "g"\nbeta = "beta"\nwrite_value = "w * v"\n')
+    rec = run_pipeline(load_spec(path), until="recurrence")["recurrence"]
+    mod = lrdsl.load(path)
+    call = Call(Shape(2, 9, 1, 2, 8, 6), h0=True, dht=True)
+    assert_errors(oracle_errors(rec, mod, call, generator, "recurrent", device=device), LIMIT, "written recurrent")
+    assert_errors(oracle_errors(rec, mod, call, generator, "chunk", device=device, chunk_size=16), LIMIT,
+                  "written chunk")
+
+
 # -- the call's shapes -------------------------------------------------------------------------------
 
 def test_call_shape_errors_name_the_tensor_and_its_shape(generator, device):
