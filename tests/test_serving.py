@@ -491,7 +491,8 @@ def test_gpu_pool_verify_commit_bf16(name, state_v_first, pool_dtype, generator)
     mod.commit(draft, torch.tensor(accepted, device="cuda"))
     for n, (row, count) in enumerate(zip(slots, accepted)):
         if row >= 0:
-            ref.run(rec, [t[n:n + 1, :count] if t.dim() >= 3 else t for t in tensors], [row], **l2norm)
+            ref.run(rec, [t[n:n + 1, :count * r] if r else t for t, r in zip(tensors, rows_per_token(rec))], [row],
+                    **l2norm)
     errors["commit rows"] = ref.check(pool, before, {r for r in slots if r >= 0}, limit=limit, what="commit")
     report(spec=name, test="pool", state_v_first=state_v_first, pool=str(pool_dtype), **errors)
     print(name, state_v_first, pool_dtype, errors)
@@ -581,7 +582,7 @@ def test_gpu_graph_replay_decode_verify_commit(name, generator):
         assert error <= GPU_LIMIT, f"replay {step}: verify o {error:.2e}"
         for n, (row, count) in enumerate(zip(slots, counts)):
             if row >= 0:
-                ref.run(rec, [t[n:n + 1, :count] if t.dim() >= 3 else t for t in draft_in], [row],
+                ref.run(rec, [t[n:n + 1, :count * r] if r else t for t, r in zip(draft_in, rows_per_token(rec))], [row],
                         use_qk_l2norm_in_kernel=True)
         ref.check(pool, before, live, limit=GPU_LIMIT, what=f"replay {step} commit")
 
