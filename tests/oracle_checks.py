@@ -59,10 +59,13 @@ def oracle_errors(rec, mod, call: Call, generator, kernel="chunk", gradients=Tru
     if not gradients:
         return errors
 
-    d_o = torch.randn(o.shape, generator=generator)
+    # the cotangents in the outputs' dtypes: autograd hands the kernels d_o rounded to o's dtype,
+    # and the oracle must differentiate the same loss (in bf16 the rounding alone is up to 3.9e-3
+    # of each entry, which on a tiny case does not average out)
+    d_o = torch.randn(o.shape, generator=generator).to(o.dtype)
     loss, ref_loss = (o * d_o.to(device)).sum(), (ref_o * d_o.double()).sum()
     if call.dht:  # else no gradient reaches the final state (the backward gets None for it)
-        d_final = torch.randn(ht.shape, generator=generator)
+        d_final = torch.randn(ht.shape, generator=generator).to(ht.dtype)
         loss, ref_loss = loss + (ht * d_final.to(device)).sum(), ref_loss + (ref_ht * d_final.double()).sum()
     loss.backward()
     ref_loss.backward()
