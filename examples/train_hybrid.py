@@ -172,29 +172,33 @@ def train(args) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     model.train()
-    for step, tokens in enumerate(batches(corpus, args.batch, args.seq_len, args.steps, args.data_seed)):
-        tokens = tokens.to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr)
-        started = time.perf_counter()
-        with autocast:
-            loss = step_fn(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.item()  # synchronises: the step's time is its own
-        if step >= untimed:
-            timed_seconds += time.perf_counter() - started
-            timed_tokens += tokens.numel()
-        losses.append(value)
-        rate = timed_tokens / timed_seconds if timed_seconds else float("nan")
-        print(f"\rstep {step + 1}/{args.steps}  loss {value:.4f}  {rate:,.0f} tokens/s", end="", file=sys.stderr)
-        if not math.isfinite(value):
-            break  # the verdict says so; the run so far is still written
+    interrupted = False
+    try:
+        for step, tokens in enumerate(batches(corpus, args.batch, args.seq_len, args.steps, args.data_seed)):
+            tokens = tokens.to(device)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, args.steps, args.lr)
+            started = time.perf_counter()
+            with autocast:
+                loss = step_fn(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.item()  # synchronises: the step's time is its own
+            if step >= untimed:
+                timed_seconds += time.perf_counter() - started
+                timed_tokens += tokens.numel()
+            losses.append(value)
+            rate = timed_tokens / timed_seconds if timed_seconds else float("nan")
+            print(f"\rstep {step + 1}/{args.steps}  loss {value:.4f}  {rate:,.0f} tokens/s", end="", file=sys.stderr)
+            if not math.isfinite(value):
+                break  # the verdict says so; the run so far is still written
+    except KeyboardInterrupt:  # Ctrl-C, or `timeout -s INT`: the steps so far are still written
+        interrupted = True
     print(file=sys.stderr)
     return {
-        "backend": args.backend, "runs": runs, "losses": losses,
+        "backend": args.backend, "runs": runs, "losses": losses, "interrupted": interrupted,
         "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
         "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -326,10 +330,16 @@ def main(argv=None) -> int:
     write_run(run, Path(args.out))
     losses = run["losses"]
     rate = f"{run['tokens_per_s']:,.0f} tokens/s" if run["tokens_per_s"] else "tokens/s not measured"
-    print(f"{args.backend}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps, {rate}")
+    if not losses:
+        print(f"{args.backend}: interrupted before the first step finished")
+        return 1
+    cut = f" (interrupted; {args.steps} asked for)" if run["interrupted"] else ""
+    print(f"{args.backend}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps{cut}, {rate}")
     line = verdict(losses)
     print(line)
-    return 0 if line == "ok" else 1
+    if line != "ok":
+        return 1
+    return 130 if run["interrupted"] else 0  # 130: the shell's code for a run stopped by SIGINT
 
 
 if __name__ == "__main__":
