@@ -189,3 +189,19 @@ def test_the_verdict_names_what_failed(train_hybrid):
     assert train_hybrid.verdict([5.0, 4.0]) == "ok"
     assert train_hybrid.verdict([5.0, float("nan")]) == "FAILED: a loss is not finite"
     assert train_hybrid.verdict([4.0, 4.5]) == "FAILED: the loss did not fall (4.0000 -> 4.5000)"
+
+
+def test_an_interrupted_run_still_writes_its_steps(train_hybrid, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or `timeout -s INT` around a GPU run) stops the loop; run.json keeps the steps done."""
+    learning_rate = train_hybrid.learning_rate
+
+    def stop_at_step_3(step, steps, peak):
+        if step == 3:
+            raise KeyboardInterrupt
+        return learning_rate(step, steps, peak)
+
+    monkeypatch.setattr(train_hybrid, "learning_rate", stop_at_step_3)
+    code = train_hybrid.main(["--tiny", "--backend", "torch", "--steps", "10", "--out", str(tmp_path)])
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert code == 130 and run["interrupted"] is True and len(run["losses"]) == 3 and run["steps"] == 10
+    assert "over 3 steps (interrupted; 10 asked for)" in capsys.readouterr().out
