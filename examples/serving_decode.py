@@ -13,7 +13,10 @@ is only read), a random number of them is accepted, and commit() writes each row
 its accepted tokens. The last step drafts a tree per request (two candidates for the next token,
 a continuation of each, and a third token after the first): verify(..., parents=) gives every
 candidate's output along its own path, and commit(draft, accepted_node=) writes the state after
-the path that was accepted. On a GPU the decode step and the verify + commit steps are CUDA graphs,
+the path that was accepted. Then a prefix cache: request P's prefill also writes its state after
+every PREFIX_BLOCK tokens into pool rows of their own (checkpoint_every=, checkpoint_indices=),
+and request Q, whose prompt repeats P's first two blocks, starts from the copy of the second
+checkpoint's row and prefills only its own tokens. On a GPU the decode step and the verify + commit steps are CUDA graphs,
 captured once and replayed with new inputs. Random tensors stand in for the model's projections.
 Every step's outputs and, at the end, every request's pool row are compared with the oracle run
 over that request's tokens, within the tolerance of the dtypes (fp32 2e-3, 16-bit inputs or pool
@@ -45,6 +48,8 @@ from lrdsl.spec import load_spec_by_name  # noqa: E402
 from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error  # noqa: E402
 
 SLOTS, POOL_ROWS, DRAFTS = 4, 8, 3
+# the prefix cache: P's prompt is 2.5 blocks, Q's repeats P's first 2 blocks and adds its own tokens
+PREFIX_BLOCK, P_TOKENS, Q_OWN_TOKENS = 16, 40, 6
 # the draft tree of the last step: each draft token's parent (-1: the request's state)
 #   token 0, token 1: two candidates for the next token; 2 follows 0, 3 follows 1, 4 follows 2
 TREE = [-1, -1, 0, 1, 2]
@@ -88,14 +93,18 @@ class Engine:
             self.params = [None] * 3 + [None if i.role.per_token else t for i, t in zip(self.rec.inputs, tensors[3:])]
         return [(p if p is not None else t).to(self.device) for p, t in zip(self.params, tensors)]
 
-    def per_token(self):
-        return [True] * 3 + [i.role.per_token for i in self.rec.inputs]
+    def rows_per_token(self):
+        """Rows per token of q, k, v and each input (0: a per-head input). A spec with
+        steps_per_token = n (Gated DeltaProduct) gives k, v and its steps' inputs n rows a token."""
+        n = self.rec.steps_per_token
+        return [1, n, n] + [self.rec.rows_per_token(i) if i.role.per_token else 0 for i in self.rec.inputs]
 
     def oracle(self, request, tensors, n, first, count, tokens=None):
         """The oracle over tokens first .. first+count of sequence n (or over the token indices
         `tokens`: a path of a draft tree): its o; advances the request."""
         index = list(range(first, first + count)) if tokens is None else tokens
-        picked = [t[n:n + 1, index] if p else t for t, p in zip(tensors, self.per_token())]
+        picked = [t[n:n + 1, [i * r + j for i in index for j in range(r)]] if r else t
+                  for t, r in zip(tensors, self.rows_per_token())]
         o, final = reference.run(self.rec, *picked, initial_state=request.state[None], output_final_state=True,
                                  use_qk_l2norm_in_kernel=True)
         request.state = final[0]
@@ -108,6 +117,47 @@ class Engine:
         print(f"  {what}: relative error vs the oracle {error:.1e}")
         if not error <= limit:  # NaN fails too
             self.failed.append(f"{self.step}{what} {error:.1e} > {limit:.0e}")
+
+    def prefix_cache(self):
+        """P's prompt prefilled with a checkpoint after each whole block (rows of their own); Q's
+        prompt = P's first 2 blocks + its own tokens, prefilled from a copy of the second checkpoint:
+        only Q's own tokens run."""
+        if not hasattr(self.mod, "chunk"):
+            print("prefix cache: this spec has no chunk form (its prefill is recurrent(), which writes no checkpoints)")
+            return
+        p_row, q_row, *cache_rows = (self.free_rows.pop(0) for _ in range(4))
+        prompt = self.tokens(1, P_TOKENS)
+        for row in (p_row, q_row):
+            self.pool[row] = 0
+        p_request = Request("P", p_row, torch.zeros(self.pool.shape[1:], dtype=torch.float64, device=self.device))
+        checkpoints = torch.tensor([cache_rows], device=self.device)  # P's state after 16 and after 32 tokens
+        with torch.no_grad():
+            self.mod.chunk(*prompt, state_pool=self.pool, state_indices=torch.tensor([p_row], device=self.device),
+                           chunk_size=PREFIX_BLOCK, checkpoint_every=PREFIX_BLOCK, checkpoint_indices=checkpoints,
+                           use_qk_l2norm_in_kernel=True)
+        cached = []
+        for block in (1, 2):  # the oracle's state after each checkpoint's tokens
+            self.oracle(p_request, prompt, 0, (block - 1) * PREFIX_BLOCK, PREFIX_BLOCK)
+            cached.append(p_request.state)
+        print(f"prefix cache: P's prefill ({P_TOKENS} tokens, row {p_row}) wrote its state after {PREFIX_BLOCK} and "
+              f"{2 * PREFIX_BLOCK} tokens into rows {cache_rows[0]} and {cache_rows[1]}")
+        self.check("checkpoint rows", self.pool[cache_rows].double(), torch.stack(cached))
+
+        # Q: P's first 2 blocks (cached) then its own tokens; only those run, from the cached state
+        own = self.tokens(1, Q_OWN_TOKENS)
+        cut = 2 * PREFIX_BLOCK
+        q_prompt = [torch.cat([p[:, :cut * r], o], dim=1) if r else p
+                    for p, o, r in zip(prompt, own, self.rows_per_token())]
+        self.pool[q_row] = self.pool[cache_rows[1]]
+        with torch.no_grad():
+            o, _ = self.mod.chunk(*own, state_pool=self.pool, state_indices=torch.tensor([q_row], device=self.device),
+                                  use_qk_l2norm_in_kernel=True)
+        q_request = Request("Q", q_row, torch.zeros(self.pool.shape[1:], dtype=torch.float64, device=self.device))
+        expected = self.oracle(q_request, q_prompt, 0, 0, cut + Q_OWN_TOKENS)[cut:]  # Q's whole prompt, from zero
+        print(f"prefix cache: Q repeats P's first {cut} tokens: row {q_row} := row {cache_rows[1]}, then a prefill "
+              f"of Q's own {Q_OWN_TOKENS} tokens")
+        self.check("Q's o (its own tokens, against its whole prompt from zero)", o[0], expected)
+        self.check("Q's pool row", self.pool[q_row].double(), q_request.state)
 
     def prefill(self, names_and_lengths):
         """New requests' prompts, packed into one call, each into a fresh pool row."""
@@ -254,6 +304,8 @@ def main(argv=None) -> int:
         engine.oracle(r, tree_in, n, 0, 0, tokens=path(int(nodes[n])))  # the accepted path advances it
     engine.check("o of every node of the tree", tree_out[[n for n, _ in live]].reshape(-1, shape.HV, shape.V),
                  torch.stack(expected))
+    engine.step = "step 7: "
+    engine.prefix_cache()
     rows = [r.row for r in slots if r]
     engine.step = ""
     engine.check("final pool rows of the requests in the batch", pool[rows].double(),
