@@ -377,7 +377,9 @@ def test_non_ascii_input_name_says_what_is_allowed(tmp_path):
 @pytest.mark.parametrize("mode", GRAD_MODES)
 def test_calls_without_gradients_do_not_synchronise_gpu(mode, generator):
     """Inside inference_mode / no_grad, a packed chunk() with chunks counted on the host copy, a
-    pool decode without validation and lrdsl.ops with cu_seqlens_cpu synchronise with nothing."""
+    pool prefill writing prefix checkpoints and a pool decode, both without validation, and lrdsl.ops
+    with cu_seqlens_cpu synchronise with nothing (the checkpoints' masked write used to count its
+    rows on the host)."""
     rec, tensors = gdn_inputs(generator)
     mod = module("gdn")
     cu_cpu = torch.tensor(BOUNDS, dtype=torch.int32)
@@ -386,12 +388,17 @@ def test_calls_without_gradients_do_not_synchronise_gpu(mode, generator):
         inside = [t.cuda() for t in tensors]
         cu = cu_cpu.cuda()
         indices = torch.tensor([2, -1, 0], device="cuda")
+        prefill_pool = torch.zeros(6, SHAPE.HV, SHAPE.K, SHAPE.V, device="cuda")
+        rows, checkpoint_rows = torch.tensor([0, 1, 2], device="cuda"), torch.tensor([[3], [4], [5]], device="cuda")
         decode = [t[0, :3].unsqueeze(1).contiguous() for t in inside]  # 3 sequences of one token
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             chunks = mod.prepare_varlen(cu, 32, cu_seqlens_cpu=cu_cpu)
             out = mod.chunk(*inside, cu_seqlens=cu, chunk_indices=chunks, chunk_size=32, output_final_state=True)
+            small = mod.prepare_varlen(cu, 16, cu_seqlens_cpu=cu_cpu)
+            mod.chunk(*inside, cu_seqlens=cu, chunk_indices=small, chunk_size=16, state_pool=prefill_pool,
+                      state_indices=rows, checkpoint_every=16, checkpoint_indices=checkpoint_rows, validate=False)
             mod.recurrent(*decode, state_pool=pool, state_indices=indices, validate=False)
             ops.chunk_gated_delta_rule(*inside, cu_seqlens=cu.long(), cu_seqlens_cpu=cu_cpu.long())
         finally:
