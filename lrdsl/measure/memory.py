@@ -49,10 +49,12 @@ class LiveAllocations(TorchDispatchMode):
                 self._allocated.append((weakref.ref(tensor), tuple(tensor.shape), tensor.dtype, size))
         return out
 
-    def held(self) -> tuple[tuple[tuple[int, ...], str, int], ...]:
-        """(shape, dtype, bytes) of each allocated tensor still alive, largest first."""
+    def held(self, besides=()) -> tuple[tuple[tuple[int, ...], str, int], ...]:
+        """(shape, dtype, bytes) of each allocated tensor still alive, largest first, `besides`
+        (tensors the caller holds: a call's outputs) left out."""
         alive = [(shape, str(dtype).removeprefix("torch."), size)
-                 for ref, shape, dtype, size in self._allocated if ref() is not None]
+                 for ref, shape, dtype, size in self._allocated
+                 if ref() is not None and not any(ref() is t for t in besides)]
         return tuple(sorted(alive, key=lambda row: -row[2]))
 
 
@@ -94,6 +96,28 @@ def call_memory(module, rec, shape, dtype=torch.bfloat16, precision="input", sav
             held.append(HeldAtLaunch("returned", tracker.held()))
     del o, final_state, gradients
     return held
+
+
+def kept_for_backward(module, rec, shape, dtype=torch.bfloat16, precision="input", save_policy=None,
+                      chunk_size=None) -> HeldAtLaunch:
+    """What a chunk call that needs gradients keeps from its forward until its backward runs:
+    what autograd saved, o and the final state (the caller's) left out. A model holds this once
+    per layer between its forward and its backward."""
+    from .resources import _LaunchRecorder
+    from ..verification.workloads import make_inputs
+
+    tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0), normalize_keys=False)
+    leaves = [t.to("meta").requires_grad_() for t in tensors]
+    tracker = LiveAllocations("meta")
+    options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True, precision=precision, chunk_size=chunk_size)
+    if save_policy is not None:
+        options["save_policy"] = save_policy
+    with _LaunchRecorder(module, on_launch=lambda fn: None):
+        with tracker:
+            o, final_state = module.chunk(*leaves, **options)
+            kept = HeldAtLaunch("kept for the backward", tracker.held(besides=(o, final_state)))
+    del o, final_state
+    return kept
 
 
 def peak(held: list[HeldAtLaunch]) -> HeldAtLaunch:
@@ -145,6 +169,11 @@ def run(args) -> int:
                 print(f"  {at.kernel:<40} {at.held_bytes / MiB:9.1f} MiB")
             top = peak(held)
             print(f"  peak {top.held_bytes / MiB:.1f} MiB at {top.kernel}: {top.describe_buffers()}")
+            if not args.no_backward:
+                kept = kept_for_backward(module, rec, shape, dtype, args.precision, args.save_policy, args.chunk_size)
+                per_token = kept.held_bytes / (shape.B * shape.T) / 1024
+                print(f"  kept from the forward for the backward {kept.held_bytes / MiB:.1f} MiB ({per_token:.1f} KiB "
+                      f"per token): {kept.describe_buffers() or 'nothing'}")
     return 0
 
 
