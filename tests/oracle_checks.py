@@ -132,13 +132,16 @@ def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(x).all(dim=-1)
 
 
-def causality_errors(rec, mod, call: Call, tensors, kernel="chunk", device="cpu", h0=None, **options) -> dict:
+def causality_errors(rec, mod, call: Call, tensors, kernel="chunk", device="cpu", h0=None, spreads: dict | None = None,
+                     generator=None, **options) -> dict:
     """A call whose inputs hold NaN or inf, against the oracle, without gradients: the output rows
     (token, value head) and final states (sequence, value head) that are not finite must be
     exactly the oracle's, and the finite ones must match it. Returns "o" and "ht" (relative errors
     over the finite rows and states) and "rows"/"states", the number of rows and states whose
     finiteness differs from the oracle's (so that assert_errors' limit, < 1, requires 0).
-    `h0`: the initial state (call.h0 is not read)."""
+    `h0`: the initial state (call.h0 is not read). A dict passed as `spreads` receives the rounding
+    spread of "o" and "ht" (rounding_spread, drawn from `generator`) on the same inputs with the
+    non-finite entries replaced by 0: the finite rows do not depend on them."""
     cu = torch.tensor(call.bounds, dtype=torch.int32) if call.bounds else None
     kwargs = dict(scale=call.scale, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=call.l2norm)
     device_kwargs = dict(kwargs, cu_seqlens=cu.to(device) if cu is not None else None)
@@ -148,6 +151,9 @@ def causality_errors(rec, mod, call: Call, tensors, kernel="chunk", device="cpu"
         ref_o, ref_ht = reference.run(rec, *[t.double() for t in tensors], initial_state=None if h0 is None else h0.double(),
                                       **kwargs)
     o, ht = o.cpu().double(), ht.cpu().double()
+    if spreads is not None:
+        finite = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in tensors]
+        spreads.update(rounding_spread(rec, finite, h0, None, None, kwargs, generator))
     bad_rows, ref_bad_rows = nonfinite_rows(o), nonfinite_rows(ref_o)
     bad_states, ref_bad_states = nonfinite_rows(ht).any(-1), nonfinite_rows(ref_ht).any(-1)
     rows, states = ~ref_bad_rows & ~bad_rows, ~ref_bad_states & ~bad_states

@@ -469,7 +469,10 @@ def test_valid_specs_match_the_oracle(spec, case, edge, tmp_path, generator, dev
         call = case.call if DTYPE == torch.float32 or not gradients else dataclasses.replace(case.call, dht=False)
         if edge.kind == "nonfinite":  # forward only: causality of the non-finite value
             h0 = torch.randn(call.N, call.shape.HV, call.shape.K, call.shape.V, generator=data) if call.h0 else None
-            return causality_errors(rec, mod, call, tensors, kernel, device=device, h0=h0, **options), LIMIT
+            spreads = {} if DTYPE != torch.float32 else None
+            found = causality_errors(rec, mod, call, tensors, kernel, device=device, h0=h0, spreads=spreads,
+                                     generator=data, **options)
+            return found, limits(found, spreads)
         spreads = {} if DTYPE != torch.float32 else None
         found = oracle_errors(rec, mod, call, data, kernel, gradients=gradients, tensors=tensors, device=device,
                               spreads=spreads, **options)
