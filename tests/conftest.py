@@ -20,6 +20,14 @@ os.environ.setdefault("LRDSL_CACHE_DIR", tempfile.mkdtemp(prefix="lrdsl-test-cac
 
 
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is not None:
+        # every n-th test from the i-th: the GPU suite takes longer than one device call, so it runs
+        # in shards, one call each (pytest -m gpu --shard 1/3, 2/3, 3/3 together run every test once)
+        index, count = shard
+        kept = [item for position, item in enumerate(items) if position % count == index - 1]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -46,6 +54,17 @@ def device():
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/* from the current output")
     parser.addoption("--seed", type=int, default=None, help="replay: every test's generator starts from this seed")
+    parser.addoption("--shard", type=_shard, default=None, metavar="I/N",
+                     help="run the I-th of N interleaved shards of the selected tests (1 <= I <= N)")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    import argparse
+
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise argparse.ArgumentTypeError(f"--shard takes I/N with 1 <= I <= N, got {text!r}")
+    return int(index), int(count)
 
 
 @pytest.fixture
