@@ -74,21 +74,29 @@ class HeldAtLaunch:
                          for (shape, dtype, size), count in sorted(groups.items(), key=lambda g: -g[0][2] * g[1]))
 
 
+def _meta_call(rec, shape, dtype, precision, save_policy, chunk_size, requires_grad):
+    """The meta inputs and chunk() options of the call both measurements make: q/k L2 norm in the
+    kernel, the final state out, the module's save policy unless one is given."""
+    from ..verification.workloads import make_inputs
+
+    tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0), normalize_keys=False)
+    leaves = [t.to("meta").requires_grad_(requires_grad) for t in tensors]
+    options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True, precision=precision, chunk_size=chunk_size)
+    if save_policy is not None:
+        options["save_policy"] = save_policy
+    return leaves, options
+
+
 def call_memory(module, rec, shape, dtype=torch.bfloat16, precision="input", save_policy=None, chunk_size=None,
                 backward=True) -> list[HeldAtLaunch]:
     """What a chunk call (q/k L2 norm in the kernel, the final state out; with `backward`, then
     the gradients of o) holds at each kernel launch, and after it ("returned", its outputs and
     gradients still held by the caller)."""
     from .resources import _LaunchRecorder
-    from ..verification.workloads import make_inputs
 
-    tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0), normalize_keys=False)
-    leaves = [t.to("meta").requires_grad_(backward) for t in tensors]
+    leaves, options = _meta_call(rec, shape, dtype, precision, save_policy, chunk_size, backward)
     d_o = torch.empty(shape.B, shape.T, shape.HV, shape.V, dtype=dtype, device="meta")
     tracker, held = LiveAllocations("meta"), []
-    options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True, precision=precision, chunk_size=chunk_size)
-    if save_policy is not None:
-        options["save_policy"] = save_policy
     with _LaunchRecorder(module, on_launch=lambda fn: held.append(HeldAtLaunch(fn.__name__, tracker.held()))):
         with tracker:
             o, final_state = module.chunk(*leaves, **options)
@@ -104,14 +112,9 @@ def kept_for_backward(module, rec, shape, dtype=torch.bfloat16, precision="input
     what autograd saved, o and the final state (the caller's) left out. A model holds this once
     per layer between its forward and its backward."""
     from .resources import _LaunchRecorder
-    from ..verification.workloads import make_inputs
 
-    tensors = make_inputs(rec, shape, dtype=dtype, generator=torch.Generator().manual_seed(0), normalize_keys=False)
-    leaves = [t.to("meta").requires_grad_() for t in tensors]
+    leaves, options = _meta_call(rec, shape, dtype, precision, save_policy, chunk_size, requires_grad=True)
     tracker = LiveAllocations("meta")
-    options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True, precision=precision, chunk_size=chunk_size)
-    if save_policy is not None:
-        options["save_policy"] = save_policy
     with _LaunchRecorder(module, on_launch=lambda fn: None):
         with tracker:
             o, final_state = module.chunk(*leaves, **options)
