@@ -133,7 +133,7 @@ def test_backward_reads_the_forward_buffers_instead_of_solving():
 
 def test_save_policies():
     save = stages("gdn")["save"]
-    assert save.default_policy == "save"
+    assert save.default_policy == "save_states"  # what a deep model should hold per layer (save_policy.py)
     recompute, solve, prepare, keep = (save.policy(n) for n in ("recompute", "save_solve", "save_prepare", "save"))
     assert recompute.kept_by("fused") == () and recompute.rerun_by("fused") == ("prepare", "scan")
     assert recompute.rerun_by("split") == ("system", "solve", "apply", "scan")
@@ -661,10 +661,10 @@ def _record_chunk_sizes(mod, monkeypatch):
     return sizes
 
 
-@pytest.mark.parametrize("name, policy", [("gdn", None), ("gdn", "save_prepare"), ("deltanet", "save"), ("simple_gla", None)])
+@pytest.mark.parametrize("name, policy", [("gdn", "save"), ("gdn", "save_prepare"), ("deltanet", "save"), ("simple_gla", "save")])
 def test_training_forward_runs_at_the_backward_chunk_size(name, policy, generator, device, monkeypatch):
-    """Under a policy whose kept buffers hold only at the chunk size they were made at (save, the
-    default, and save_prepare), a call that needs gradients and gives no chunk_size runs its
+    """Under a policy whose kept buffers hold only at the chunk size they were made at (save and
+    save_prepare), a call that needs gradients and gives no chunk_size runs its
     forward at BACKWARD_CHUNK_SIZE, so that the backward runs there too; gradients against the
     float64 oracle. A call without gradients keeps FORWARD_CHUNK_SIZE."""
     mod = module(name)
@@ -685,7 +685,7 @@ def test_training_forward_runs_at_the_backward_chunk_size(name, policy, generato
 
 @pytest.mark.parametrize("on_host", [True, False], ids=["host-counted", "device-counted"])
 def test_training_forward_counts_varlen_chunks_again_at_the_backward_size(on_host, generator, device, monkeypatch):
-    """Packed sequences under the default save: chunk_indices counted on the host at the forward's
+    """Packed sequences under save: chunk_indices counted on the host at the forward's
     default size are counted again, on the host, at the backward's (forward and backward run
     there); counted on the device they fix both to their size. Gradients against the oracle."""
     mod, rec = module("gdn"), recurrence("gdn")
@@ -698,7 +698,7 @@ def test_training_forward_counts_varlen_chunks_again_at_the_backward_size(on_hos
     tensors = sample(rec, Shape(1, 100, 1, 2, 16, 16), torch.float32, generator)
     d_o = torch.randn(1, 100, 2, 16, generator=generator, dtype=torch.float64)
     leaves = [t.clone().to(device).requires_grad_() for t in tensors]
-    o, _ = mod.chunk(*leaves, cu_seqlens=cu, chunk_indices=chunks, use_qk_l2norm_in_kernel=True)
+    o, _ = mod.chunk(*leaves, cu_seqlens=cu, chunk_indices=chunks, use_qk_l2norm_in_kernel=True, save_policy="save")
     (o * d_o.to(device, o.dtype)).sum().backward()
     refs = [t.double().requires_grad_() for t in tensors]
     ref_o, _ = reference.run(rec, *refs, cu_seqlens=cu_cpu, use_qk_l2norm_in_kernel=True)

@@ -119,7 +119,7 @@ def check_memory(result, cwd):
     documented = re.search(r"`lrdsl memory specs/gdn\.toml`.*?a peak of (\d+) MiB", readme).group(1)
     assert int(documented) == round(printed), (documented, printed)
     kept = re.search(r"^  kept from the forward for the backward [\d.]+ MiB \(([\d.]+) KiB per token\)", result.stdout, re.M)
-    documented_kept = re.search(r"what the forward keeps for the backward .*?gdn there: ([\d.]+) KiB under `save`", readme)
+    documented_kept = re.search(r"what the forward keeps for the backward .*?gdn there: ([\d.]+) KiB under `save_states`, the default", readme)
     assert kept and documented_kept and kept.group(1) == documented_kept.group(1), (kept, documented_kept)
 
 

@@ -86,7 +86,7 @@ def test_cli_reports_each_launch_and_the_peak():
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("gdn  B=2 T=300 H=2 HV=4 K=64 V=64  bf16  precision=input  save_policy=save  forward + backward")
+    assert lines[0].startswith("gdn  B=2 T=300 H=2 HV=4 K=64 V=64  bf16  precision=input  save_policy=save_states  forward + backward")
     launches = [(m[1], float(m[2])) for line in lines[1:] if (m := re.match(r"  (\w+) +([\d.]+) MiB$", line))]
     assert launches[-1][0] == "returned" and len(launches) == len(lines) - 3
     held = max(size for _, size in launches)

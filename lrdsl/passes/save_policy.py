@@ -2,15 +2,15 @@
 recompute it by re-running forward kernels in the backward.
 
 The choice is made per tensor from the forward's stage graph:
-    save          (default) keep everything the backward reads; re-run nothing (most memory,
-                  least time). What it keeps holds only at the chunk size it was made at, so a
-                  call that needs gradients runs its forward at the backward's chunk size
-    save_states   save_solve, and keep the scan's entry states: where the re-run scan
+    save_states   (default) save_solve, and keep the scan's entry states: where the re-run scan
                   would have few programs, the generated module keeps one of them per
                   RESUME_EVERY forward chunks and the re-run starts each run of chunks between
                   two from the first, all side by side, instead of walking whole sequences
                   (about B * ceil(T/C) / RESUME_EVERY * HV * K * V values in the inputs' dtype
                   kept); elsewhere none (the same as save_solve)
+    save          keep everything the backward reads; re-run nothing (most memory, least
+                  time). What it keeps holds only at the chunk size it was made at, so a call
+                  that needs gradients runs its forward at the backward's chunk size
     save_solve    keep the solved triangular systems (C x C per row) and re-run the
                   rest: a solution is still valid at a smaller chunk size (its diagonal blocks),
                   so the backward keeps its own chunk size and skips building and solving its
@@ -45,19 +45,17 @@ from ..ir.chunk import (
 )
 from ..ir.plan import BackwardPlan, ChunkPlans, Plan, SavePolicy
 
-# The first is the default. Keeping everything, the forward at the backward's chunk size, measured
-# fastest for every spec (forward + backward on an H200, BENCHMARKS.md round 21: gdn 4.33 -> 3.70
-# ms at 4 x 4096, 9.67 -> 8.77 at 1 x 32768, 5.38 -> 4.88 at 1 x 65536 with 8 value heads;
-# 4-17 % for the other specs), the peak of one call within -3 % to +8 % (the backward's re-run
-# allocated most of what the forward now keeps), but more memory held from the forward to the
-# backward: gdn at HV = 32, K = V = 128, bf16, 58 KiB per token (the entry states at C = 32 are
-# 32 KiB of it) against 4 KiB under save_states; save_states is the policy for deep models
-# trained without activation checkpointing. save_states was the default before: keeping the
-# solved systems measured faster than recomputing them (round 8), keeping a few entry states too
-# where the re-run scan has few programs faster again (round 14).
+# The first is the default: what a model trained without activation checkpointing should hold,
+# once per layer, from its forward to its backward. save_states keeps the solved systems (gdn at 32
+# value heads, K = V = 128, bf16: 5.0 KiB per token, `lrdsl memory`; FLA keeps about 4) and re-runs
+# the rest; save keeps every buffer the backward reads (58.0 KiB per token: 14 times as much) and
+# was measured 4-17 % faster for forward + backward (BENCHMARKS.md round 21: gdn 4.30 -> 3.70 ms at
+# 4 x 4096 on an H200). A 48-layer model at 32K tokens a step would hold 89 GB under save, 7.7
+# under save_states; save remains the choice where memory allows (save_policy="save", per call or
+# per layer). save was the default from round 21 to session 56.
 POLICIES = {
-    "save": "keep every forward buffer the backward reads; re-run nothing (a call that needs gradients runs its forward at the backward's chunk size)",
     "save_states": "keep the solved systems and, where the re-run scan has few programs, some entry states; re-run the rest",
+    "save": "keep every forward buffer the backward reads; re-run nothing (a call that needs gradients runs its forward at the backward's chunk size)",
     "save_solve": "keep the solved systems (C x C, chunk-local); re-run the rest, the backward at its own chunk size",
     "recompute": "keep nothing from the forward; re-run the forward kernels the backward reads from",
     "save_prepare": "keep the prepare phase's buffers (chunk-local); re-run the scan for the entry states",
