@@ -178,6 +178,11 @@ def _compile(fn, args, kwargs, arch: int):
     # block, and the serving variants that are on
     shown = {k: bound[k] for k in ("BV", "BT") if k in bound}
     shown.update({k: v for k, v in bound.items() if k in SERVING_FLAGS and v})
+    # what a launch writes for a backward beside its outputs (another compilation than the same
+    # launch without it): the narrowed copies of kept buffers, a re-run scan's segment entry states
+    written = [k for k, v in bound.items() if (k.startswith("narrowed_") or k == "segment_states") and v is not None]
+    if written:
+        shown["writes"] = ",".join(written)
     if bound.get("CC_BT", bound.get("BT")) != bound.get("BT"):  # the forward's solved systems, read by blocks
         shown["CC_BT"] = bound["CC_BT"]
     return compiled, launch, shown
@@ -293,7 +298,7 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
     launches: dict[tuple, tuple] = {}
     callers: dict[tuple, list[str]] = {}
     for index, (fn, args, kwargs) in enumerate(recorder.launches):
-        key = (fn.__name__, repr(args), repr(sorted(kwargs.items())))  # meta tensors print as shape and dtype
+        key = (fn.__name__, _launch_key(args), _launch_key(sorted(kwargs.items())))
         if only not in fn.__name__:
             continue
         launches.setdefault(key, (fn, args, kwargs))
@@ -309,6 +314,19 @@ def kernel_resources(module, rec, shape, dtype, precision="input", arch: int = 9
                                       launch_options.get("num_warps", 4), launch_options.get("maxnreg"),
                                       _calls_shown(callers[key])))
     return report
+
+
+def _launch_key(values) -> str:
+    """What decides a launch's compilation, as text: a tensor by its shape, strides and dtype only
+    (its repr would also show requires_grad, which splits a training forward's launch from the
+    same launch without gradients)."""
+    def describe(value):
+        if hasattr(value, "stride"):
+            return f"tensor{tuple(value.shape)}/{value.stride()}/{value.dtype}"
+        if isinstance(value, tuple):
+            return tuple(describe(v) for v in value)
+        return repr(value)
+    return repr([describe(v) for v in values])
 
 
 def _calls_shown(calls: list[str]) -> str:
@@ -386,6 +404,11 @@ def _chunk_size_shown(module, shape, precision, dtype, asked):
         # choose: no chunk_indices here)
         forward = min(module.FORWARD_CHUNK_SIZE[module.DEFAULT_CHUNK_PLAN, precision], largest)
         backward = module._backward_chunk_size(forward, precision, True)
+        # under a policy whose kept buffers hold only at the chunk size they were made at, a
+        # training forward runs at the backward's
+        policy = module.SAVE_POLICIES[module.DEFAULT_SAVE_POLICY]
+        if policy["any_chunk_size"][module.DEFAULT_CHUNK_PLAN]:
+            return None, f"default (forward {forward}, backward {backward})"
         return None, f"default (forward {forward}, backward and the training forward {backward})"
     chunk_size = int(asked) if asked else largest
     return chunk_size, chunk_size
