@@ -952,6 +952,24 @@ def test_json_from_before_the_peer_columns_reads_as_those_columns(tmp_path):
     assert bench.rows_from_json(rewritten) == rows
 
 
+def test_training_rows_show_what_each_forward_keeps_for_the_backward(tmp_path):
+    """Issue 45: a forward + backward ratio bought with held memory must show it: the row's
+    "kept MiB" column and, in the summary, each implementation's kept memory beside the ratios."""
+    ours = bench.BenchRow("gdn", "fwd+bwd", "4x4096x16x32", "lrdsl", "chunk[split]", "lrdsl", ms=3.0, tflops=1.0,
+                          kept_mib=80.0, ratios={"fla-triton": 1.2})
+    theirs = bench.BenchRow("gdn", "fwd+bwd", "4x4096x16x32", "fla-triton", "chunk_gated_delta_rule", "fla-triton",
+                            ms=3.6, tflops=1.0, kept_mib=64.0)
+    forward = bench.BenchRow("gdn", "fwd", "4x4096x16x32", "lrdsl", "chunk[split]", "lrdsl", ms=1.0, tflops=1.0)
+    kept_column = bench.HEADER.index("kept MiB")
+    assert bench.format_row(ours)[kept_column:].startswith("80 ")
+    assert bench.format_row(forward)[kept_column:].startswith("- ")
+    line = bench.format_summary([forward, ours, theirs]).splitlines()[-1]
+    assert line.startswith("gdn") and "1.20" in line and line.endswith("kept MiB lrdsl 80, fla-triton 64"), line
+    saved = tmp_path / "rows.json"
+    saved.write_text(bench.to_json([ours, theirs]))
+    assert bench.rows_from_json(saved) == [ours, theirs]
+
+
 def test_decode_rows_carry_the_cards_copy_bandwidth_and_their_fraction_of_it(tmp_path):
     row = bench.BenchRow("gdn", "decode", "256x1x16x32", "lrdsl", "recurrent", "lrdsl", ms=0.1, state_tbps=2.78)
     training = bench.BenchRow("gdn", "fwd", "4x4096x16x32", "lrdsl", "chunk[split]", "lrdsl", ms=1.0, tflops=100.0)
@@ -1162,6 +1180,15 @@ def test_harness_on_gpu_times_decode_as_a_graph_replay_and_gates_every_row():
         theirs = next(r for r in rows if r.impl == "fla-triton" and r.mode == ours.mode)
         assert bool(ours.ratios) == (ours.ok and theirs.ok)
     assert all(r.peak_mib > 0 for r in rows if r.mode != "decode graph")
+    # what the forward keeps for the backward, measured, is what lrdsl memory predicts from the
+    # same call on meta tensors (the allocator rounds each block up to 512 bytes)
+    from lrdsl.measure.memory import kept_for_backward
+
+    assert all((r.kept_mib is not None) == (r.mode == "fwd+bwd") for r in rows), rows
+    ours = next(r for r in rows if r.impl == "lrdsl" and r.mode == "fwd+bwd")
+    predicted = kept_for_backward(module("gdn"), recurrence("gdn"), Shape(2, 256, 2, 4, 128, 128)).held_bytes / 2**20
+    assert ours.kept_mib == pytest.approx(predicted, rel=0.03, abs=0.05), (ours.kept_mib, predicted)
+    assert f"kept MiB lrdsl {ours.kept_mib:.0f}" in bench.format_summary(rows)
 
 
 @pytest.mark.gpu

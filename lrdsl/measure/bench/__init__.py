@@ -16,7 +16,9 @@ Each lrdsl row gets one ratio per peer: peer ms / lrdsl ms.
 
 Protocol: bf16 q, k, v (and beta); fp32 g; use_qk_l2norm_in_kernel=True wherever FLA's function
 takes it (else False on both sides); scale = K**-0.5; median of triton.testing.do_bench; peak
-memory of one call (its inputs included, whatever else the process holds excluded); cold time =
+memory of one call (its inputs included, whatever else the process holds excluded); kept memory
+of forward + backward rows = what the forward leaves allocated for the backward (its outputs
+excluded: what a deep model holds once per layer), shown beside the ratios too; cold time =
 the first call of that function at that shape in the process (compilation and autotuning
 included). TFLOP/s: the recurrent form's 6 * B * T * HV * K * V floating-point operations for
 the forward (predict, write, read: 2KV each per token and head), 3x that for forward + backward,

@@ -12,7 +12,7 @@ from ...ir.recurrence import Recurrence
 from ...verification.workloads import Shape
 from .shapes import DECODE, DECODE_GRAPH, FORWARD_BACKWARD, LRDSL, is_decode, shape_label
 from .contenders import Call, Contender, run_mode
-from .timing import Measurement, _first_line
+from .timing import Measurement, _first_line, held_between_passes
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class BenchRow:
     tflops: float | None = None  # training modes
     state_tbps: float | None = None  # decode modes: fp32 state read + written per second
     peak_mib: float | None = None
+    kept_mib: float | None = None  # forward + backward on a GPU: what the forward leaves for the backward
     cold_s: float | None = None
     err_vs_oracle: float | None = None  # the worst relative error of any output vs the float64 oracle
     worst_vs_oracle: str = ""  # which output that is
@@ -89,6 +90,7 @@ class _Result:
     error: str = ""  # it raised, or cannot run
     oracle_error: float | None = None
     oracle_worst: str = ""
+    kept_mib: float | None = None
     failures: list = field(default_factory=list)
 
 
@@ -120,6 +122,8 @@ def run_group(spec: str, rec: Recurrence, contenders, call: Call, shape: Shape, 
                     result.error = f"ran {result.path}, not {contender.expects}"
                     continue
                 result.measurement = measure(lambda: run_mode(contender, mode_call, mode, names), mode_call.nbytes())
+                if mode == FORWARD_BACKWARD and mode_call.tensors[0].is_cuda:
+                    result.kept_mib = held_between_passes(lambda: contender.forward(mode_call))
                 outputs = result.measurement.outputs
                 if full:
                     result.oracle_error, result.oracle_worst = worst_error(outputs, wanted)
@@ -183,7 +187,7 @@ def _rows(spec: str, shape: Shape, mode: str, results: list[_Result], tolerance:
             ms=m.ms if m else None,
             tflops=_tflops(shape, mode, m.ms) if m and not is_decode(shape) else None,
             state_tbps=_state_tbps(shape, m.ms) if m and is_decode(shape) else None,
-            peak_mib=m.peak_mib if m else None, cold_s=m.cold_s if m else None,
+            peak_mib=m.peak_mib if m else None, kept_mib=r.kept_mib if m else None, cold_s=m.cold_s if m else None,
             err_vs_oracle=r.oracle_error, worst_vs_oracle=r.oracle_worst,
             diff_vs_other=max((diffs[(id(r), id(o))] for o in counterparts), default=None),
         ))

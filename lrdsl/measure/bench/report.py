@@ -7,14 +7,14 @@ import json
 from dataclasses import asdict
 
 from ...errors import LrdslError
-from .shapes import DECODE, DECODE_GRAPH, LRDSL, MODES
+from .shapes import DECODE, DECODE_GRAPH, FORWARD_BACKWARD, LRDSL, MODES
 from .peers import FLA
 from .timing import _first_line
 from .gate import BenchRow
 
 
 _COLUMNS = (("spec", 10), ("mode", 19), ("shape", 15), ("impl", 15), ("kernel", 32), ("path", 10),
-            ("time", 11), ("rate", 16), ("of copy", 7), ("peak MiB", 8), ("cold s", 6), ("vs oracle", 9),
+            ("time", 11), ("rate", 16), ("of copy", 7), ("peak MiB", 8), ("kept MiB", 8), ("cold s", 6), ("vs oracle", 9),
             ("vs other", 8), ("peer/lrdsl", 50), ("x pool", 6), ("status", 0))
 HEADER = " ".join(f"{name:<{width}}" if width else name for name, width in _COLUMNS)
 
@@ -34,7 +34,7 @@ def format_row(r: BenchRow) -> str:
     status = r.status if r.ok else f"FAILED: {r.reason}"
     ratios = " ".join(f"{peer} {value:.2f}" for peer, value in r.ratios.items()) or "-"
     cells = [r.spec, r.mode, r.shape, r.impl, r.kernel, r.path, time_text, rate, number(r.of_copy, ".2f"),
-             number(r.peak_mib, ".0f"), number(r.cold_s, ".1f"), number(r.err_vs_oracle, ".1e"),
+             number(r.peak_mib, ".0f"), number(r.kept_mib, ".0f"), number(r.cold_s, ".1f"), number(r.err_vs_oracle, ".1e"),
              number(r.diff_vs_other, ".1e"), ratios, number(r.vs_pool, ".2f"), status]
     return " ".join(f"{cell:<{width}}" if width else cell for cell, (_, width) in zip(cells, _COLUMNS))
 
@@ -74,8 +74,20 @@ def format_summary(rows: list[BenchRow]) -> str:
             value = values.get(m, {}).get(p, "-")
             cells.append(f"{value:>{w}.2f}" if isinstance(value, float) else f"{value:>{w}}")
         alone = "  (no peer)" if not any(values.values()) else ""
-        lines.append(f"{spec:<10} {shape:<15} " + " ".join(cells) + alone)
+        lines.append(f"{spec:<10} {shape:<15} " + " ".join(cells) + alone + _kept_beside(rows, spec, shape))
     return "\n".join(lines)
+
+
+def _kept_beside(rows: list[BenchRow], spec: str, shape: str) -> str:
+    """What each implementation's forward keeps for the backward in the group's forward +
+    backward rows (measured on a GPU): a speed ratio bought with held memory shows beside it."""
+    kept = {}
+    for r in rows:
+        if (r.spec, r.shape, r.mode) == (spec, shape, FORWARD_BACKWARD) and r.kept_mib is not None:
+            kept.setdefault(r.impl, r.kept_mib)
+    if not kept:
+        return ""
+    return "  kept MiB " + ", ".join(f"{impl} {mib:.0f}" for impl, mib in kept.items())
 
 
 def to_json(rows: list[BenchRow]) -> str:

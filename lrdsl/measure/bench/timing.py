@@ -40,6 +40,20 @@ def measure_on_gpu(fn, input_bytes: int) -> Measurement:
     return Measurement(outputs, ms, peak, cold)
 
 
+def held_between_passes(forward) -> float:
+    """MiB a forward call that needs gradients leaves allocated for its backward: the memory
+    allocated while its outputs are alive, less the outputs themselves (what autograd keeps: the
+    tensors the implementation saved, copies and casts of its inputs included; inputs it keeps as
+    they are cost nothing more). A deep model holds this once per layer until the backward."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    outputs = [t for t in forward() if t is not None]
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - sum(t.untyped_storage().nbytes() for t in outputs)
+    del outputs
+    return held / 2**20
+
+
 def measure_graph_replay(fn, input_bytes: int) -> Measurement:
     """Capture one call in a CUDA graph over the same (static) input buffers, replay it, time the
     replays. The outputs returned are the replay's, so the gate checks what the graph computed."""
