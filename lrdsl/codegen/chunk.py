@@ -117,12 +117,32 @@ def _buffers(plan: Plan) -> list[dict]:
     ]
 
 
-def _launcher(prog: ChunkProgram, plan: Plan, copies: dict[str, tuple[str, ...]] | None = None) -> str:
+def _launcher(prog: ChunkProgram, plan: Plan, sources: dict[str, str] | None = None,
+              copies: dict[str, tuple[str, ...]] | None = None) -> str:
+    """One forward plan's launcher; `sources`: the kernels' source by function name (without
+    them no array takes another's storage)."""
     buffers, calls = _buffers(plan), _calls(prog, plan, copies)
     # Each buffer is allocated just before its first user and released after the last user that
     # runs, unless the caller keeps it: the memory of a buffer the later kernels no longer read
-    # (the system once solved, the solve's inputs once applied) goes to the next ones.
+    # (the system once solved, the solve's inputs once applied) goes to the next ones. A buffer a
+    # scan writes may take the storage of one it reads for the last time (gdn: Vn in U's), where
+    # the call made that one and does not keep it (decided at run time: _buffer_reusing). Only
+    # scans: a forward chunk kernel may split its value columns over programs.
+    # The output o, where the caller leaves it to the launcher (o=None), is allocated just before
+    # the kernel that writes it, after the earlier kernels' buffers are released, and may take
+    # the storage of a buffer that kernel reads for the last time the same way (gdn: Vn).
+    scans = [c for c in calls if c["kind"] == "scan"]
+    writes_o = [c for c in calls if c["kind"] == "chunk" and OUTPUT_PARAM in c["params"]]
+    reuses = storage_reuses(plan, scans, [], sources or {})
+    reuses.update(storage_reuses(plan, writes_o, [dict(param=OUTPUT_PARAM, shape=BUFFER_SHAPES[("C", "V")], per_chunk=False)],
+                                 sources or {}))
+    names = {buffer_param(b.value): b.value for b in plan.buffers}
+    for buffer in buffers:
+        read = reuses.get(buffer["param"])
+        buffer["reuses"] = None if read is None else dict(param=read, name=names[read])
     for call in calls:
+        read = reuses.get(OUTPUT_PARAM) if call in writes_o else None
+        call["output"] = None if call not in writes_o else dict(reuses=None if read is None else dict(param=read, name=names[read]))
         call["allocates"] = [b for b in buffers if b["users"][0] == call["name"]]
         call["uses"] = [b for b in buffers if call["name"] in b["users"]]
     return render(
@@ -145,6 +165,10 @@ RESULT_SHAPES = {
 # rows of its chunks in its block of value columns (a C x K tile it reads whole is every program's);
 # a chunk-parallel program owns its chunk's rows of its heads, all columns.
 OWNED_TILES = {"scan": {("C", "V")}, "chunk": {("C", "V"), ("C", "K"), ("C",)}}
+
+
+# The forward's output array, as the kernel that writes it names its pointer
+OUTPUT_PARAM = "o"
 
 
 def _stores_after_last_load(source: str, read: str, written: str) -> bool:
@@ -179,7 +203,7 @@ def storage_reuses(plan: Plan, calls: list[dict], results: list[dict], sources: 
                 read = buffer_param(buffer.value)
                 if read in taken or BUFFER_SHAPES[buffer.shape] != shape or dtype not in (None, buffer.dtype):
                     continue
-                if _stores_after_last_load(sources[call["function"]], read, param):
+                if _stores_after_last_load(sources.get(call["function"], ""), read, param):
                     reuses[param] = read
                     taken.add(read)
                     break
@@ -284,7 +308,7 @@ def emit_chunk_section(item: BackwardPlan, positional: list[str], steps: int = 1
         forward_chunk_size=repr(forward_chunk_sizes(item)),
         smaller_scan_chunks=repr(smaller_scan_chunks),
         kernels="\n\n".join(kernels.values()).rstrip("\n"),
-        launchers=[_launcher(prog, p, copies[p.name]) for p in plans.plans],
+        launchers=[_launcher(prog, p, kernels, copies[p.name]) for p in plans.plans],
         backward=_backward_launcher(item, kernels),
         save_policies=repr(save_policies),
         default_policy=item.default_policy,
