@@ -6,10 +6,11 @@ and gates alone; B [K, V]). So a rank's pieces need only the state its first pie
 and that is the earlier ranks' maps chained (docs/design.md §9):
 
 1. A rank whose last piece continues on a later rank runs the module's own chunk() once on that
-   piece's tokens with v widened by K zero columns and the initial state [h0 | 0] (it starts
-   here) or [0 | I] (it also began on an earlier rank: the rank holds only its middle).
-   The widened columns start at I and get no v, so they end at M; the state columns end at B
-   (+ M h0): the piece's final state is [B | M], exactly, for every spec, with no per-spec code.
+   piece's tokens. Where the rank holds only the sequence's middle, with v widened by K zero
+   columns and the initial state [0 | I]: the widened columns start at I and get no v, so they
+   end at M; the state columns end at B: the piece's final state is [B | M], exactly, for every
+   spec, with no per-spec code. Where the sequence starts on this rank, plainly from its own
+   initial state: the state X it leaves is all a later rank needs ([X | 0]).
 2. One all_gather of that [HV, K, V + K] map per rank (zeros from the others) on the group.
 3. Each rank whose first piece continues chains the maps of the ranks before it, in the
    accumulation dtype, from the sequence's first rank: X = B_r + M_r X, and runs its ordinary
@@ -133,23 +134,24 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
 
     # 1. this rank's map: the final state of its last piece, [B | M], where that piece continues
     if ctx.post_num_ranks:
-        if ctx.pre_num_ranks and n == 1:  # only the middle of a sequence: its map from any entry
-            last = torch.cat([torch.zeros(HV, K, V, dtype=acc, device=q.device),
-                              torch.eye(K, dtype=acc, device=q.device).expand(HV, K, K)], dim=-1)
-        else:  # the sequence starts here: from its own initial state
-            start = h0[-1].to(acc) if h0 is not None else torch.zeros(HV, K, V, dtype=acc, device=q.device)
-            last = torch.cat([start, torch.zeros(HV, K, K, dtype=acc, device=q.device)], dim=-1)
         # on the last piece's tokens only, as one sequence
         declared = chunk.__globals__["INPUTS"]
         piece = _last_piece(tensors, declared, int(ctx.cu_seqlens_cpu[-2]), q.shape[1])
-        # v and the inputs per value channel (a written value's w) widened by K columns: the
-        # state's columns evolve apart, and a zero v column writes nothing whatever w is there
-        value_roles = [False, False, True] + [role == "token_value" for _, role in declared]
-        widened = [torch.cat([t, t.new_zeros(*t.shape[:-1], K)], dim=-1) if per_value else t
-                   for t, per_value in zip(piece, value_roles)]
-        _, state = chunk(*widened,
-                         **dict(local, cu_seqlens=None, chunk_indices=None, initial_state=last[None], output_final_state=True))
-        mine = state[0].reshape(-1)
+        alone = dict(local, cu_seqlens=None, chunk_indices=None, output_final_state=True)
+        if ctx.pre_num_ranks and n == 1:  # only the middle of a sequence: its map from any entry
+            last = torch.cat([torch.zeros(HV, K, V, dtype=acc, device=q.device),
+                              torch.eye(K, dtype=acc, device=q.device).expand(HV, K, K)], dim=-1)
+            # v and the inputs per value channel (a written value's w) widened by K columns: the
+            # state's columns evolve apart, and a zero v column writes nothing whatever w is there
+            value_roles = [False, False, True] + [role == "token_value" for _, role in declared]
+            widened = [torch.cat([t, t.new_zeros(*t.shape[:-1], K)], dim=-1) if per_value else t
+                       for t, per_value in zip(piece, value_roles)]
+            _, state = chunk(*widened, **dict(alone, initial_state=last[None]))
+            mine = state[0].reshape(-1)
+        else:  # the sequence starts here, from its own initial state: M is not needed (M = 0)
+            start = h0[-1:] if h0 is not None else None
+            _, state = chunk(*piece, **dict(alone, initial_state=start))
+            mine = torch.cat([state[0].to(acc), torch.zeros(HV, K, K, dtype=acc, device=q.device)], dim=-1).reshape(-1)
     else:
         mine = torch.zeros(HV * K * (V + K), dtype=acc, device=q.device, requires_grad=training)
     if training:
