@@ -14,7 +14,9 @@ and that is the earlier ranks' maps chained (docs/design.md §9):
 2. One all_gather of that [HV, K, V + K] map per rank (zeros from the others) on the group.
 3. Each rank whose first piece continues chains the maps of the ranks before it, in the
    accumulation dtype, from the sequence's first rank: X = B_r + M_r X, and runs its ordinary
-   chunk() with X as its first piece's initial state.
+   chunk() with X as its first piece's initial state. A rank holding only the middle runs no
+   second call: the output is linear in the state, so step 1's o is its output from a zero
+   entry state beside the read of M, and o = that + (read of M) X.
 The backward is autograd through these steps: the all_gather's backward is an all_reduce of the
 gradients of the gathered maps, which hands every rank the gradient of its own map, and with it
 the gradient of the state its last piece leaves (d(initial state) of the next rank's first
@@ -73,12 +75,14 @@ class _Tie(torch.autograd.Function):
 
 
 class _Anchor(torch.autograd.Function):
-    """o, unchanged, made to depend on the gathered maps, so that every rank's backward from o
-    reaches the all_gather (the collective must run on all ranks), even where o does not read them."""
+    """o, unchanged, made to depend on x with a zero gradient: on the gathered maps, so that every
+    rank's backward from o reaches the all_gather (the collective must run on all ranks), even
+    where o does not read them; on an initial_state of no sequences, which then gets its (empty)
+    gradient."""
 
     @staticmethod
-    def forward(ctx, o, gathered):
-        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
+    def forward(ctx, o, x):
+        ctx.shape, ctx.dtype = x.shape, x.dtype
         return o.view_as(o)
 
     @staticmethod
@@ -133,6 +137,8 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
     training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
     # 1. this rank's map: the final state of its last piece, [B | M], where that piece continues
+    middle_only = bool(ctx.pre_num_ranks and ctx.post_num_ranks and n == 1)
+    widened_o = None
     if ctx.post_num_ranks:
         # on the last piece's tokens only, as one sequence
         declared = chunk.__globals__["INPUTS"]
@@ -146,7 +152,10 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
             value_roles = [False, False, True] + [role == "token_value" for _, role in declared]
             widened = [torch.cat([t, t.new_zeros(*t.shape[:-1], K)], dim=-1) if per_value else t
                        for t, per_value in zip(piece, value_roles)]
-            _, state = chunk(*widened, **dict(alone, initial_state=last[None]))
+            # the slice is this one piece: o of that call is its output from a zero entry state
+            # beside the read of M (the output is linear in the state), so it is the rank's
+            # output once the entry state is known (step 3), with no second call
+            widened_o, state = chunk(*widened, **dict(alone, initial_state=last[None]))
             mine = state[0].reshape(-1)
         else:  # the sequence starts here, from its own initial state: M is not needed (M = 0)
             start = h0[-1:] if h0 is not None else None
@@ -173,6 +182,19 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         entry = maps[first, ..., :V]
         for r in range(first + 1, ctx.rank):  # ranks holding only its middle
             entry = maps[r, ..., :V] + torch.matmul(maps[r, ..., V:], entry)
+    want_final = bool(options.get("output_final_state"))
+    if middle_only:
+        # o_t = scale S_t^T q_t with S_t = [B_t | M_t] applied to [X ; I]: the zero-entry output
+        # plus the read of M_t times X, in the accumulation dtype
+        zero_entry, read_m = widened_o[..., :V].to(acc), widened_o[..., V:].to(acc)
+        o = (zero_entry + torch.einsum("bthj,hjv->bthv", read_m, entry)).to(v.dtype)
+        if training:
+            o = _Anchor.apply(o, gathered)
+            if h0 is not None:  # no sequence starts here: initial_state holds none, its gradient is that empty
+                o = _Anchor.apply(o, h0)
+        # its one sequence ends on a later rank: no final state here
+        ht = torch.empty((0, HV, V, K) if v_first else (0, HV, K, V), dtype=acc, device=q.device) if want_final else None
+        return o, ht
     rest = h0.to(acc) if h0 is not None else None
     if entry is not None:
         if rest is None and n > 1:
@@ -180,7 +202,6 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         initial = entry[None] if rest is None else torch.cat([entry[None], rest])
     else:
         initial = rest
-    want_final = bool(options.get("output_final_state"))
     o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial, output_final_state=want_final))
     if training:
         o = _Anchor.apply(o, gathered)
