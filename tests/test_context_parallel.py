@@ -78,11 +78,28 @@ def _token_slice(t, rows, lo, hi):
     return t if rows == 0 else t[:, lo * rows: hi * rows]
 
 
+class _CountedChunk:
+    """A module's chunk() that records the value columns of every call (what context parallelism
+    runs on a rank: plain calls at V, the map's at V + K)."""
+
+    def __init__(self, chunk, widths):
+        self.chunk, self.widths, self.__globals__ = chunk, widths, chunk.__globals__
+
+    def __call__(self, q, k, v, *args, **options):
+        self.widths.append(v.shape[-1])
+        return self.chunk(q, k, v, *args, **options)
+
+
 def _rank_main(rank, world, init, out_dir, cases):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    import lrdsl.distributed.chunk as cp
+
+    widths, run_rank = [], cp.context_parallel_chunk
+    cp.context_parallel_chunk = lambda ctx, chunk, tensors, options: run_rank(ctx, _CountedChunk(chunk, widths), tensors, options)
     try:
         for name, layout, states in cases:
+            widths.clear()
             local, cu = T // world, LAYOUTS[layout]
             rec, tensors, h0, d_o, d_ht = _inputs(name, cu, states)
             mod = module(name)
@@ -98,7 +115,8 @@ def _rank_main(rank, world, init, out_dir, cases):
             loss.backward()
             torch.save(dict(o=o.detach(), ht=None if ht is None else ht.detach(),
                             grads=[t.grad for t in leaves], d_h0=None if mine is None else mine.grad,
-                            initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids),
+                            initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids, widths=list(widths),
+                            where=(ctx.pre_num_ranks > 0, ctx.post_num_ranks > 0, len(ctx.sequence_ids))),
                        os.path.join(out_dir, f"{name}.{layout}.{states}.{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -167,6 +185,13 @@ def test_context_parallel_matches_one_process_and_oracle(world):
     worst = {}
     for (name, layout, states), results in _run_world(world).items():
         cu = LAYOUTS[layout]
+        for r in results:  # the chunk() calls each rank made: the map's at V + K only where M is needed
+            continues_from, continues_to, pieces = r["where"]
+            if continues_from and continues_to and pieces == 1:
+                expected = [V + K]  # only a sequence's middle: one call, its o corrected by the chained maps
+            else:
+                expected = [V] * (1 + continues_to)  # its last piece (when it continues), then the slice
+            assert r["widths"] == expected, (name, layout, r["where"], r["widths"])
         rec, references = _single_and_oracle(name, layout, states)
         mine = _gathered(results, rec, cu, states)
         names = ["q", "k", "v"] + [i.name for i in rec.inputs]
