@@ -137,12 +137,16 @@ def _launcher(prog: ChunkProgram, plan: Plan, sources: dict[str, str] | None = N
     reuses.update(storage_reuses(plan, writes_o, [dict(param=OUTPUT_PARAM, shape=BUFFER_SHAPES[("C", "V")], per_chunk=False)],
                                  sources or {}))
     names = {buffer_param(b.value): b.value for b in plan.buffers}
+
+    def reused(param):
+        read = reuses.get(param)
+        return None if read is None else dict(param=read, name=names[read])
+
     for buffer in buffers:
-        read = reuses.get(buffer["param"])
-        buffer["reuses"] = None if read is None else dict(param=read, name=names[read])
+        buffer["reuses"] = reused(buffer["param"])
     for call in calls:
-        read = reuses.get(OUTPUT_PARAM) if call in writes_o else None
-        call["output"] = None if call not in writes_o else dict(reuses=None if read is None else dict(param=read, name=names[read]))
+        call["writes_output"] = call in writes_o
+        call["output_reuses"] = reused(OUTPUT_PARAM) if call in writes_o else None
         call["allocates"] = [b for b in buffers if b["users"][0] == call["name"]]
         call["uses"] = [b for b in buffers if call["name"] in b["users"]]
     return render(

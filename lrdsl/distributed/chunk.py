@@ -144,7 +144,7 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         declared = chunk.__globals__["INPUTS"]
         piece = _last_piece(tensors, declared, int(ctx.cu_seqlens_cpu[-2]), q.shape[1])
         alone = dict(local, cu_seqlens=None, chunk_indices=None, output_final_state=True)
-        if ctx.pre_num_ranks and n == 1:  # only the middle of a sequence: its map from any entry
+        if middle_only:  # only the middle of a sequence: its map from any entry
             last = torch.cat([torch.zeros(HV, K, V, dtype=acc, device=q.device),
                               torch.eye(K, dtype=acc, device=q.device).expand(HV, K, K)], dim=-1)
             # v and the inputs per value channel (a written value's w) widened by K columns: the
