@@ -220,7 +220,9 @@ def write_run(run: dict, out: Path) -> None:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """The runs' loss curves in one PNG (nothing where matplotlib is not installed)."""
+    """The runs' loss curves in one PNG (nothing where matplotlib is not installed). With several
+    runs a second panel shows each one's curve minus the first's, both averaged over windows of 10
+    steps: the curves themselves overlap at this scale."""
     if importlib.util.find_spec("matplotlib") is None:
         print(f"matplotlib is not installed: no {path.name}", file=sys.stderr)
         return
@@ -229,13 +231,26 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for run in runs:
+    panels = 2 if len(runs) > 1 else 1
+    figure, axes = plt.subplots(panels, 1, figsize=(7, 4 * panels), squeeze=False)
+    for index, run in enumerate(runs):
         label = f"{run['backend']} (data seed {run['data_seed']})"
-        axes.plot(range(1, len(run["losses"]) + 1), run["losses"], label=label, linewidth=1)
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss (nats per byte)")
-    axes.legend()
+        axes[0][0].plot(range(1, len(run["losses"]) + 1), run["losses"], label=label, linewidth=1, color=f"C{index}")
+    axes[0][0].set_xlabel("step")
+    axes[0][0].set_ylabel("loss (nats per byte)")
+    axes[0][0].legend()
+    if panels == 2:
+        window, first = 10, runs[0]
+        for index, run in enumerate(runs[1:], start=1):
+            steps = min(len(first["losses"]), len(run["losses"])) // window * window
+            mean = lambda losses, i: sum(losses[i:i + window]) / window  # noqa: E731
+            gaps = [mean(run["losses"], i) - mean(first["losses"], i) for i in range(0, steps, window)]
+            axes[1][0].plot([i + window for i in range(0, steps, window)], gaps, linewidth=1, color=f"C{index}",
+                            label=f"{run['backend']} (data seed {run['data_seed']})")
+        axes[1][0].axhline(0, color="grey", linewidth=0.5)
+        axes[1][0].set_xlabel("step")
+        axes[1][0].set_ylabel(f"minus {first['backend']} (data seed {first['data_seed']}), {window}-step means")
+        axes[1][0].legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     print(f"wrote {path}", file=sys.stderr)

@@ -172,6 +172,8 @@ def test_compare_reports_each_run(train_hybrid, tmp_path, capsys):
     assert [line.split(": ")[1] for line in printed] == ["a data seed 0", "b data seed 0"]
     assert "final loss 3.0000" in printed[0] and "final loss 3.5000" in printed[1]
     assert "gap to" not in printed[0] and printed[1].endswith(f"gap to {tmp_path / 'a'} 0.5000")
+    # the plot of both curves and the second's gap to the first (where matplotlib is installed)
+    assert (tmp_path / "loss.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_curve_gap_is_the_mean_distance_of_the_smoothed_second_halves(train_hybrid):
