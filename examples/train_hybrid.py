@@ -30,8 +30,10 @@ fla-core's chunk_gated_delta_rule with its FlashQLA backend switched off; `flash
 function left to dispatch to FlashQLA (fla-core does so on Hopper when flash-qla is installed);
 `torch` on transformers' own torch functions, whatever is installed.
 
-DIR/run.json holds {"backend", "losses", "tokens_per_s", "peak_mib", ...}; DIR/losses.csv the
-curve; DIR/loss.png a plot where matplotlib is installed.
+DIR/run.json holds {"backend", "losses", "tokens_per_s", "peak_mib", ...} (with --compile also
+"compiled_graphs", "graph_breaks" and their reasons); DIR/losses.csv the curve; DIR/loss.png a
+plot where matplotlib is installed. --compile with lrdsl needs a GPU: on a CPU torch.compile
+would trace Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -200,12 +202,23 @@ def train(args) -> dict:
     return {
         "backend": args.backend, "runs": runs, "losses": losses, "interrupted": interrupted,
         "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
+        **(compile_counts() if args.compile else {}),
         "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "precision": precision, "compile": args.compile, "save_policy": args.save_policy, "steps": args.steps,
         "seed": args.seed, "data_seed": args.data_seed, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
         "tiny": args.tiny, "parameters": parameters, "torch": torch.__version__,
     }
+
+
+def compile_counts() -> dict:
+    """What torch.compile did over the run: graphs compiled (more than the model's graphs means
+    recompiles) and graph breaks, with the reasons of the most frequent."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {"compiled_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": [reason.splitlines()[0][:200] for reason, _ in breaks.most_common(5)]}
 
 
 def write_run(run: dict, out: Path) -> None:
@@ -321,6 +334,9 @@ def refusal(args) -> str | None:
     if not args.tiny:
         return ("train_hybrid.py: the full-size model needs a GPU (on a CPU Triton's interpreter would take "
                 "days); run it with --tiny")
+    if args.compile and args.backend == "lrdsl":
+        return ("train_hybrid.py: --compile with --backend lrdsl needs a GPU (on a CPU torch.compile would "
+                "trace Triton's interpreter itself); drop --compile, or use --backend torch")
     return None
 
 
@@ -350,6 +366,9 @@ def main(argv=None) -> int:
         return 1
     cut = f" (interrupted; {args.steps} asked for)" if run["interrupted"] else ""
     print(f"{args.backend}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps{cut}, {rate}")
+    if args.compile:
+        print(f"torch.compile: {run['compiled_graphs']} graphs compiled, {run['graph_breaks']} graph breaks"
+              + "".join(f"\n  break: {reason}" for reason in run["graph_break_reasons"]))
     line = verdict(losses)
     print(line)
     if line != "ok":

@@ -207,3 +207,27 @@ def test_an_interrupted_run_still_writes_its_steps(train_hybrid, tmp_path, monke
     run = json.loads((tmp_path / "run.json").read_text())
     assert code == 130 and run["interrupted"] is True and len(run["losses"]) == 3 and run["steps"] == 10
     assert "over 3 steps (interrupted; 10 asked for)" in capsys.readouterr().out
+
+
+def test_compile_counts_name_graphs_and_breaks(train_hybrid):
+    """--compile runs record what torch.compile did (run.json's compiled_graphs, graph_breaks and
+    the reasons), read off dynamo's counters: here one function with one graph break."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def broken(x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        return x + 1
+
+    assert torch.equal(torch.compile(broken, backend="eager")(torch.ones(3)), torch.full((3,), 3.0))
+    counts = train_hybrid.compile_counts()
+    assert counts["compiled_graphs"] == 2 and counts["graph_breaks"] == 1
+    assert len(counts["graph_break_reasons"]) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
+def test_compile_of_lrdsl_on_the_cpu_is_refused_in_one_line(train_hybrid, tmp_path, capsys):
+    assert train_hybrid.main(["--tiny", "--compile", "--steps", "1", "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith("train_hybrid.py: --compile with --backend lrdsl needs a GPU")
