@@ -252,7 +252,7 @@ def chunk_gated_delta_rule(
         use_beta_sigmoid_in_kernel, allow_neg_eigval)
     module = spec_module(gate, beta_kind, has_dt_bias)
     chunks = None if cp_context is not None else _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-                                                              chunk_size, q)
+                                                              chunk_size, q, v)
     heads = _head_inputs(fn, kwargs.get("A_log"), kwargs.get("dt_bias"), v, g) if heads else ()
     extras = (beta, *heads) if gate == "none" else (g, beta, *heads)
     return module.chunk(
@@ -455,7 +455,7 @@ def chunk_kda(
         fn, g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, bound)
     module = spec_module(gate, beta_kind, has_dt_bias, decay="key_channel", lower_bound=bound,
                          has_A_log=A_log is not None)
-    chunks = None if cp_context is not None else _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q)
+    chunks = None if cp_context is not None else _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, None, chunk_size, q, v)
     heads = _head_inputs(fn, A_log, dt_bias, v, g, "key_channel") if heads else ()
     return module.chunk(
         q, k, v, g, beta, *heads, scale=scale, initial_state=initial_state,
@@ -510,7 +510,7 @@ def fused_recurrent_kda(
     )
 
 
-def _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q):
+def _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, q, v):
     """The chunk_indices for the module's chunk(), or None.
 
     Where the caller gave lrdsl nothing to keep to (no cu_seqlens_cpu, no chunk_indices), None:
@@ -521,10 +521,10 @@ def _host_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_si
     caller gave no chunk_size: chunk() counts that size's chunks on the same host copy."""
     if cu_seqlens is None or (cu_seqlens_cpu is None and chunk_indices is None):
         return None
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(cu_seqlens, torch.Tensor):
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, v)) or not isinstance(cu_seqlens, torch.Tensor):
         return None  # chunk() names the wrong tensor itself
-    if chunk_size is None:
-        chunk_size = module._default_chunk_size(fn, q, q.shape[-1], "input", module.DEFAULT_CHUNK_PLAN)  # chunk()'s own
+    if chunk_size is None:  # chunk()'s own
+        chunk_size = module._default_chunk_size(fn, q, q.shape[-1], "input", module.DEFAULT_CHUNK_PLAN, v.shape[-1])
     return _varlen_chunks(fn, module, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size)
 
 

@@ -254,11 +254,11 @@ def test_chunk_under_compile_takes_the_eager_default_and_limit_of_chunk_size():
     wide = torch.empty(1, 4, 1, 136, device="meta")  # kda at K > 128: 32
     fp32_wide = module("gdn"), torch.empty(1, 4, 1, 256, dtype=torch.float32, device="meta")  # fp32 on a GPU: 32
     for m, q in ((mod, wide), fp32_wide):
-        assert m._largest_chunk_size(q, q.shape[3], "input") == 32
-        assert m._default_chunk_size("chunk", q, q.shape[3], "input", m.DEFAULT_CHUNK_PLAN) == 32
-        m._fake_chunk_options(q, 32, m.DEFAULT_CHUNK_PLAN, "input")
+        assert m._largest_chunk_size(q, q.shape[3], "input", q.shape[3]) == 32
+        assert m._default_chunk_size("chunk", q, q.shape[3], "input", m.DEFAULT_CHUNK_PLAN, q.shape[3]) == 32
+        m._fake_chunk_options(q, q, 32, m.DEFAULT_CHUNK_PLAN, "input")
         with pytest.raises(m.InputError, match=rf"^{m.SPEC_NAME}.chunk: chunk_size must be one of \(16, 32, 64\) and at most 32 "):
-            m._fake_chunk_options(q, 64, m.DEFAULT_CHUNK_PLAN, "input")
+            m._fake_chunk_options(q, q, 64, m.DEFAULT_CHUNK_PLAN, "input")
     with pytest.raises(mod.InputError, match=r"precision must be one of \('input', 'tf32'\), got 'fp8'"):
         mod._compiled_chunk((wide, wide, wide), None, None, False, None, False, None, None, None, None, "fp8", False,
                             None, None, True)

@@ -138,7 +138,7 @@ def _varlen(mod, q, cu, how):
         return dict(cu_seqlens=cu)
     if how == "prepare_varlen":
         return dict(cu_seqlens=cu, chunk_size=16, chunk_indices=mod.prepare_varlen(cu, 16))
-    size = mod._default_chunk_size("chunk", q, SHAPE.K, "input", mod.DEFAULT_CHUNK_PLAN)
+    size = mod._default_chunk_size("chunk", q, SHAPE.K, "input", mod.DEFAULT_CHUNK_PLAN, SHAPE.V)
     return dict(cu_seqlens=cu, chunk_indices=mod.prepare_varlen(cu, size, cu_seqlens_cpu=cu.cpu().clone()))
 
 
@@ -280,7 +280,7 @@ for stale in ([0, 30, 40], [0, 1, 40], [0, 39, 40], [0, 0, 40]):
     stale = torch.tensor(stale, dtype=torch.int32)
     # at a given chunk size, and at chunk()'s own (which it may count again at other sizes)
     for size in (16, 32, None):
-        chunk_size = size or mod._default_chunk_size("chunk", q, K, "input", mod.DEFAULT_CHUNK_PLAN)
+        chunk_size = size or mod._default_chunk_size("chunk", q, K, "input", mod.DEFAULT_CHUNK_PLAN, v.shape[-1])
         chunks = prepare_without_comparing(cu, chunk_size, stale)
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
         o, ht = mod.chunk(*leaves, cu_seqlens=cu, chunk_size=size, chunk_indices=chunks, output_final_state=True)
@@ -406,29 +406,36 @@ def test_calls_without_gradients_do_not_synchronise_gpu(mode, generator):
     check_against_oracle(rec, tensors, [x.cpu() for x in out], cu_seqlens=cu_cpu)
 
 
-# -- 16-bit inputs at K <= 16 on a GPU take chunks of at most 32 -----------------------------------
+# -- 16-bit inputs with K or V <= 16 on a GPU take chunks of at most 32 ---------------------------
 # At K = V = 16, C = 64, bf16, Triton 3.6.0 miscompiled gdn's backward output kernel on an H100 (an
-# out-of-range shared-memory access; d_q, d_k, d_g 0.5-0.7 off where it did not fault). The module
-# caps the chunk size there for every spec (NARROW_K_LARGEST_CHUNK_SIZE).
+# out-of-range shared-memory access; d_q, d_k, d_g 0.5-0.7 off where it did not fault); at K = 20,
+# V = 8, C = 64 the oracle fuzzer found packed-sequence forwards 0.05-0.63 off and one illegal
+# memory access. The module caps the chunk size where either head dim is one 16-column tile, for
+# every spec (NARROW_LARGEST_CHUNK_SIZE).
 
 @pytest.mark.parametrize("name", ["gdn", "kda", "simple_gla", "gated_deltaproduct"])
-def test_narrow_keys_in_16_bits_take_chunks_of_at_most_32(name):
+def test_narrow_heads_in_16_bits_take_chunks_of_at_most_32(name):
     """Meta tensors stand for a GPU's (the module reads their dtype as a GPU call would): the
-    default chunk size and the largest are 32 at K <= 16 in bf16 and fp16, unchanged at K = 32 and
-    for fp32 inputs and in the interpreter; under torch.compile a larger one is refused in one line."""
+    default chunk size and the largest are 32 where K or V <= 16 in bf16 and fp16, unchanged at
+    K = V = 32, for fp32 inputs and in the interpreter; under torch.compile a larger one is refused
+    in one line."""
     mod = module(name)
-    for K, dtype, expected in ((16, torch.bfloat16, 32), (8, torch.float16, 32), (32, torch.bfloat16, None),
-                               (16, torch.float32, None)):
+    for K, V, dtype, expected in ((16, 32, torch.bfloat16, 32), (8, 8, torch.float16, 32), (32, 8, torch.bfloat16, 32),
+                                  (32, 16, torch.float16, 32), (32, 32, torch.bfloat16, None),
+                                  (32, 17, torch.bfloat16, None), (16, 16, torch.float32, None)):
         q = torch.empty(1, 4, 1, K, dtype=dtype, device="meta")
-        unchanged = mod.largest_chunk_size(K, "input", None)  # the interpreter's
-        largest = mod._largest_chunk_size(q, K, "input")
+        v = torch.empty(1, 4, 1, V, dtype=dtype, device="meta")
+        unchanged = mod.largest_chunk_size(K, "input", None, V)  # the interpreter's
+        largest = mod._largest_chunk_size(q, K, "input", V)
+        assert largest == mod.largest_chunk_size(K, "input", dtype, V)
         assert largest == (min(expected, unchanged) if expected else mod.largest_chunk_size(K, "input", dtype))
-        assert mod._default_chunk_size("chunk", q, K, "input", mod.DEFAULT_CHUNK_PLAN) <= largest
+        assert mod._default_chunk_size("chunk", q, K, "input", mod.DEFAULT_CHUNK_PLAN, V) <= largest
+        assert mod.intermediate_chunk_tokens(q, v=v) * getattr(mod, "STEPS_PER_TOKEN", 1) <= largest
         if expected and unchanged > expected:
             with pytest.raises(mod.InputError, match=r"chunk_size must be one of \(16, 32, 64\) and at most 32"):
-                mod._fake_chunk_options(q, 64, mod.DEFAULT_CHUNK_PLAN, "input")
+                mod._fake_chunk_options(q, v, 64, mod.DEFAULT_CHUNK_PLAN, "input")
     cpu = torch.empty(1, 4, 1, 16, dtype=torch.bfloat16)
-    assert mod._largest_chunk_size(cpu, 16, "input") == mod.largest_chunk_size(16, "input", None)
+    assert mod._largest_chunk_size(cpu, 16, "input", 8) == mod.largest_chunk_size(16, "input", None)
 
 
 @pytest.mark.gpu
@@ -439,9 +446,26 @@ def test_gpu_narrow_keys_in_bf16_default_to_32_and_refuse_64(generator):
     rec, mod = recurrence("gdn"), module("gdn")
     shape = Shape(1, 70, 1, 2, 16, 16)
     tensors = make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator)
-    with pytest.raises(mod.InputError, match=r"^gdn.chunk: chunk_size=64 with K=16 and torch.bfloat16 inputs on a GPU: "
-                                             r"Triton 3.6 miscompiles the backward .* use chunk_size <= 32$"):
+    with pytest.raises(mod.InputError, match=r"^gdn.chunk: chunk_size=64 with K=16, V=16 and torch.bfloat16 inputs on a "
+                                             r"GPU: Triton 3.6 miscompiles the kernels .* use chunk_size <= 32$"):
         mod.chunk(*[t.cuda() for t in tensors], chunk_size=64)
     errors = oracle_errors(rec, mod, Call(shape, h0=True, dht=True), generator, "chunk", tensors=tensors, device="cuda")
     assert_errors({k: errors[k] for k in ("o", "ht", "d_q", "d_k", "d_v", "d_h0")}, TOLERANCE[torch.bfloat16],
                   "gdn K = 16 bf16 at the default chunk size")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["linear_attn", "deltanet"])
+def test_gpu_narrow_values_with_packed_sequences_in_bf16(name, generator):
+    """The oracle fuzzer's GPU finding: K = 20, V = 8, packed sequences shorter than a chunk, an
+    initial state, bf16: chunk() at its default chunk size (32 here) against the float64 oracle,
+    outputs and final states, and chunk_size=64 refused in one line."""
+    from oracle_checks import Call, assert_errors, oracle_errors
+    rec, mod = recurrence(name), module(name)
+    shape = Shape(1, 23, 1, 1, 20, 8)
+    tensors = make_inputs(rec, shape, dtype=torch.bfloat16, generator=generator)
+    with pytest.raises(mod.InputError, match=r"chunk_size=64 with K=20, V=8 and torch.bfloat16 inputs on a GPU"):
+        mod.chunk(*[t.cuda() for t in tensors], chunk_size=64)
+    call = Call(shape, bounds=(0, 6, 23), h0=True)
+    errors = oracle_errors(rec, mod, call, generator, "chunk", gradients=False, tensors=tensors, device="cuda")
+    assert_errors(errors, TOLERANCE[torch.bfloat16], f"{name} K = 20, V = 8, packed, bf16 at the default chunk size")

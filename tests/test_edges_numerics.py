@@ -61,8 +61,8 @@ def reset_case(name, pattern, g, generator, dtype=torch.float32, device="cpu", g
         pytest.skip("a = +inf is a non-finite input, not a reset")
     tensors = make_inputs(rec, SHAPE, dtype=dtype, generator=generator)
     tensors = with_resets(rec, tensors, PATTERNS[pattern](SHAPE.T, generator), g, generator)
-    # the largest chunk the call may take: on a GPU 16-bit inputs at K = 16 take at most 32
-    largest = mod.largest_chunk_size(SHAPE.K, dtype=None if device == "cpu" else dtype)
+    # the largest chunk the call may take: on a GPU 16-bit inputs at K or V <= 16 take at most 32
+    largest = mod.largest_chunk_size(SHAPE.K, dtype=None if device == "cpu" else dtype, V=SHAPE.V)
     options.setdefault("chunk_size", min(32 if rec.has_low_rank else 64, largest))
     call = Call(SHAPE, h0=True, dht=gradients)
     return oracle_errors(rec, mod, call, generator, "chunk", gradients=gradients, tensors=tensors, device=device,
@@ -145,7 +145,7 @@ def test_a_nonfinite_input_reaches_only_later_rows(name, which, value, generator
     h0 = torch.randn(2, NONFINITE_SHAPE.HV, NONFINITE_SHAPE.K, NONFINITE_SHAPE.V, generator=generator)
     call = Call(NONFINITE_SHAPE)
     assert_errors(causality_errors(rec, mod, call, tensors, "recurrent", h0=h0), LIMIT, f"{name} recurrent")
-    largest = mod.largest_chunk_size(NONFINITE_SHAPE.K, dtype=torch.float32)
+    largest = mod.largest_chunk_size(NONFINITE_SHAPE.K, dtype=torch.float32, V=NONFINITE_SHAPE.V)
     for plan in mod.CHUNK_PLANS if name == "gdn" else mod.CHUNK_PLANS[:1]:
         for size in (s for s in (16, 64) if s <= largest):
             errors = causality_errors(rec, mod, call, tensors, "chunk", h0=h0, plan=plan, chunk_size=size)

@@ -64,7 +64,7 @@ def test_dense_states_match_prefixes_and_resume(name, chunk_size, T, monkeypatch
         o, ht, h = mod.chunk(*tensors, initial_state=h0, output_final_state=True, chunk_size=chunk_size,
                              return_intermediate_states=True)
     monkeypatch.undo()
-    C = mod.intermediate_chunk_tokens(tensors[0], chunk_size)
+    C = mod.intermediate_chunk_tokens(tensors[0], chunk_size, v=tensors[2])
     # without chunk_size the scan may run at half the output's chunk size (one state kept per two
     # chunks); chunk sizes count the kernels' rows
     rows = C * rec.steps_per_token

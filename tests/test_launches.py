@@ -174,7 +174,7 @@ def test_chunk_sizes_of_wide_inputs_fit_a_gpu_block():
     mod = module("gdn")
 
     def largest(dtype, K, device="meta", precision="input"):
-        return mod._largest_chunk_size(torch.empty(0, dtype=dtype, device=device), K, precision)
+        return mod._largest_chunk_size(torch.empty(0, dtype=dtype, device=device), K, precision, K)
 
     assert [largest(torch.bfloat16, 256), largest(torch.bfloat16, 256, precision="tf32")] == [64, 32]
     assert [largest(torch.float32, 128), largest(torch.float32, 256), largest(torch.float64, 64)] == [64, 32, 16]

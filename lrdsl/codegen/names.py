@@ -46,7 +46,7 @@ STATE_OPTIONS = (
 )
 RECURRENT_OPTIONS = _CALL_OPTIONS + STATE_OPTIONS + (("out", "None"),)  # out: a caller's buffer for o
 CHUNK_OPTIONS = _CALL_OPTIONS + (
-    ("chunk_size", "None"),  # the largest that fits a GPU block: largest_chunk_size(K, precision, dtype)
+    ("chunk_size", "None"),  # the largest that fits a GPU block: largest_chunk_size(K, precision, dtype, V)
     ("plan", "None"),
     ("chunk_indices", "None"),
     ("save_policy", "None"),

@@ -398,7 +398,7 @@ def _chunk_size_shown(module, shape, precision, dtype, asked):
     """(chunk_size for chunk(), how the header shows it) for --chunk-size `asked`."""
     if not hasattr(module, "largest_chunk_size"):  # no chunk form: the recurrent and serving kernels only
         return None, "-"
-    largest = module.largest_chunk_size(shape.K, precision, dtype)
+    largest = module.largest_chunk_size(shape.K, precision, dtype, shape.V)
     if asked == "default":
         # the module's own rules (chunk() takes these with no chunk_size; the backward is free to
         # choose: no chunk_indices here)
