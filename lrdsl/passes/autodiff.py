@@ -53,6 +53,7 @@ from ..ir.chunk import (
     StateIn,
     UnitLowerInverse,
 )
+from ..ir.formula import derivative
 from ..ir.plan import ChunkPlans
 from ..ir.registry import TypeRegistry
 from .derive_chunk import Builder
@@ -108,7 +109,7 @@ def reduce_to(sweep: Sweep, value: str, shape, name: str) -> str:
 def _formula(op: Formula, dy: str, sweep: Sweep):
     for symbol in sorted(op.expr.free_symbols, key=str):
         arg = str(symbol)
-        partial = sympy.diff(op.expr, symbol)
+        partial = derivative(op.expr, symbol)
         if partial == 0:
             continue
         name = sweep.name(arg, op)
