@@ -482,7 +482,7 @@ def test_valid_specs_match_the_oracle(spec, case, edge, tmp_path, generator, dev
 
     assert_errors(*errors("recurrent", False), "recurrent")
     # every chunk size the module accepts here (a dplr module's kernels fit shared memory up to 32)
-    largest = mod.largest_chunk_size(call.shape.K, dtype=tensors[0].dtype)
+    largest = mod.largest_chunk_size(call.shape.K, dtype=tensors[0].dtype, V=call.shape.V)
     for plan in mod.CHUNK_PLANS:
         for size in (s for s in mod.CHUNK_SIZES if s <= largest):
             assert_errors(*errors("chunk", False, plan=plan, chunk_size=size), f"chunk[{plan},{size}]")
@@ -747,7 +747,7 @@ def test_valid_specs_without_gradients_and_second_derivatives(spec, case, edge, 
     h0 = torch.randn(call.N, shape.HV, shape.K, shape.V, generator=data) if call.h0 else None
     cu = torch.tensor(call.bounds, dtype=torch.int32) if call.bounds else None
     options = dict(scale=call.scale, output_final_state=True, use_qk_l2norm_in_kernel=call.l2norm)
-    size = min(case.chunk_size, mod.largest_chunk_size(shape.K, dtype=tensors[0].dtype))
+    size = min(case.chunk_size, mod.largest_chunk_size(shape.K, dtype=tensors[0].dtype, V=shape.V))
 
     with GRAD_MODES[edge.mode]():
         inside = [t.to(device).clone() for t in tensors]
