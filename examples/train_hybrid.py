@@ -182,7 +182,10 @@ def train(args) -> dict:
                 group["lr"] = learning_rate(step, args.steps, args.lr)
             started = time.perf_counter()
             with autocast:
-                loss = step_fn(input_ids=tokens, labels=tokens).loss
+                # no cache: a training step reads none, and with one transformers builds a fresh
+                # cache every step whose lazily set entries torch.compile guards on (a recompile
+                # per layer, past its recompile limit)
+                loss = step_fn(input_ids=tokens, labels=tokens, use_cache=False).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

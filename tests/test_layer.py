@@ -481,3 +481,30 @@ def test_gpu_bf16_whole_layer_no_less_accurate_than_transformers(generator, devi
     error = report("bf16 layer: cached state vs oracle (lrdsl)", relative_error(cached_state(caches[0], 0, "recurrent"), state))
     bound = report("bf16 layer: cached state vs oracle (transformers)", relative_error(cached_state(caches[1], 0, "recurrent"), state))
     assert error <= max(BF16_TOL, 1.1 * bound)
+
+
+def test_torch_compile_of_a_new_layer_breaks_no_graph_to_load_kernels(monkeypatch, generator):
+    """A GatedDeltaNet loads its kernels' modules when it is built. They were loaded at its first
+    forward, which under torch.compile ran inside the trace: the code generator and the module
+    cache broke the graph there (printer.py's sympy calls, cache.py's fingerprint), and the
+    compiled model kept those breaks for every later step (12 breaks in a 20-step training run on
+    an H100). On the CPU the kernels themselves run on Triton's interpreter, which dynamo cannot
+    trace; it is kept out of the trace here, so the breaks left are those of the launches only."""
+    import torch._dynamo
+    import triton.runtime.interpreter as interpreter
+
+    from lrdsl.layers import gated_deltanet, kernels
+
+    monkeypatch.setattr(gated_deltanet, "_recurrence_modules", {})  # as in a fresh process
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", torch._dynamo.disable(interpreter.InterpretedFunction.run))
+    layer = GatedDeltaNet(tiny_config(), layer_idx=0)
+    x = torch.randn(1, 12, layer.hidden_size, generator=generator)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(x)
+    loading = [b.reason.splitlines()[0] for b in explained.break_reasons
+               if any("/lrdsl/codegen/" in f.filename or "/lrdsl/runtime/" in f.filename or "/lrdsl/passes/" in f.filename
+                      for f in b.user_stack)]
+    assert explained.graph_count >= 1
+    assert loading == [], f"graph breaks while loading lrdsl's kernels: {loading}"
+    torch._dynamo.reset()

@@ -145,6 +145,11 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(self.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
+        # the kernels' modules now, not at the first forward: loading them (code generation, the
+        # module cache) inside torch.compile's trace breaks the graph there, and the compiled
+        # model keeps those breaks for every later step
+        layer_kernels()
+        recurrence_module()
 
     @classmethod
     def sharing_parameters_of(cls, layer: nn.Module) -> "GatedDeltaNet":
