@@ -19,7 +19,8 @@ pattern (three linear-attention layers, then one full-attention layer), scaled d
 parameters (`--tiny`: 64 thousand, small enough for lrdsl's kernels on the CPU interpreter).
 It starts from random weights drawn from `--seed` and trains with AdamW, in bf16 autocast on a GPU
 (fp32 on the CPU), on text every machine has: the Python standard library's own source files, as
-bytes (vocabulary 256), windows taken in an order fixed by `--data-seed`. Two runs that differ
+bytes (vocabulary 256), windows taken in an order fixed by `--data-seed`, each step without a
+cache (use_cache=False: training reads none). Two runs that differ
 only in the backend see the same weights and the same batches; two that differ only in
 `--data-seed` show how far apart curves drift by chance (the noise floor a backend's gap is held
 against).
