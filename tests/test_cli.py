@@ -445,6 +445,25 @@ def test_replay_bf16_reports_each_gradient_and_where_its_error_lies():
     assert len(where) == 5 and all(re.search(r"most at token \d+, head [01]: \d+% of it", line) for line in where), where
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="replays on the CPU interpreter")
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_bf16_gate_gradients_of_key_channel_gates_hold_at_every_chunk_size(chunk_size, generator):
+    """kda_fused_gate's gate gradient in bf16, from d_o alone, computed as a GPU computes it (the
+    replay script): on an H100 d_a grew with the chunk size to 9.6e-3 at C = 64, over bf16's
+    8e-3 (replayed here at seed 1: 8.9e-3). The gate's gradient sums the backward's decayed
+    products over the chunk with terms that cancel, and one bf16 rounding of each decayed tile
+    survived it; the tiles now go to the dots as two 16-bit parts (3.1e-3 at that seed)."""
+    seed = generator.initial_seed() % 2**31
+    result = subprocess.run([sys.executable, str(REPLAY_SCRIPT), "specs/kda_fused_gate.toml", "--seed", str(seed),
+                             "--shape", "1,256,1,2,128,128", "--chunk-size", str(chunk_size), "--no-final-gradient"],
+                            cwd=ROOT, env=user_environment(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    errors = {line.split()[0]: float(line.split()[1]) for line in result.stdout.splitlines()[1:]}
+    per_token = {name: e for name, e in errors.items() if name not in ("d_A_log", "d_dt_bias")}
+    assert set(per_token) == {"d_q", "d_k", "d_v", "d_a", "d_b", "d_h0"}
+    assert all(0 < e <= TOLERANCE[torch.bfloat16] for e in per_token.values()), f"seed {seed}: {errors}"
+
+
 def test_autotune_results_travel_between_machines_per_gpu_model(tmp_path):
     """scripts/autotune_cache.py: results collected from one Triton cache under the GPU model's
     folder seed another machine's empty cache at the same <hash>/<kernel>.autotune.json places,

@@ -317,20 +317,43 @@ def decayed_matmul(m, b, x, y, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DT
     """BT x BK: sum_{j < i} m_ij b_jc exp2(x_ic - y_jc), or with TRANSPOSE
     sum_{j > i} m_ji b_jc exp2(x_jc - y_ic).
 
-    It splits at the first half's last row: with one decay that is the row before decayed_gram's,
-    and with the same split the compiler would share the product's operand tiles with a
-    decayed_gram of the same inputs earlier in the kernel and keep them in shared memory until
-    here (a backward kernel then asked for 320 KB)."""
-    out = tl.zeros((BT, x.shape[1]), dtype=x.dtype)
-    for level in tl.static_range(7):
-        if (1 << level) < BT:
-            up, down, pairs = decay_split(x, y, 1 << level, BT, (1 << level) - 1)
-            block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
-            if TRANSPOSE:
-                out += down * tl.dot(tl.trans(block), (b * up).to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            else:
-                out += up * tl.dot(block, (b * down).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    The pairs split as decay_split's levels do, at the first half's last row r of each block
+    (y_r gathered per row). The levels run as a loop, not unrolled: unrolled, each level's
+    operand tiles kept shared memory of their own (kda's backward output kernel at C = 64 took
+    155,648 bytes, 57,344 as a loop) and ptxas spilled more."""
+    BK: tl.constexpr = x.shape[1]
+    out = tl.zeros((BT, BK), dtype=x.dtype)
+    o_c = tl.arange(0, BT)
+    S = 1
+    while S < BT:  # blocks of 2S rows, S = 1, 2, 4, ... < BT
+        r = (o_c // (2 * S)) * (2 * S) + S - 1
+        y_r = tl.gather(y, tl.broadcast_to(r[:, None], (BT, BK)), axis=0)
+        second = (o_c // S) % 2 == 1
+        first = (o_c // S) % 2 == 0
+        up = tl.exp2(tl.where(second[:, None], x - y_r, float("-inf")))  # exp2(x_i - y_r) <= 1
+        down = tl.exp2(tl.where(first[:, None], y_r - y, float("-inf")))  # exp2(y_r - y_j) <= 1
+        pairs = (o_c[:, None] // (2 * S) == o_c[None, :] // (2 * S)) & second[:, None] & first[None, :]
+        block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
+        if TRANSPOSE:
+            out += down * dot_of_rounded_parts(tl.trans(block), b * up, DOT_DTYPE, DOT_PRECISION)
+        else:
+            out += up * dot_of_rounded_parts(block, b * down, DOT_DTYPE, DOT_PRECISION)
+        S *= 2
     return out
+
+
+@triton.jit
+def dot_of_rounded_parts(a, tile, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a @ tile for an fp32 tile, which 16-bit dots take as two: its rounding, then the rounding
+    of what that left. A gate's gradient sums these products over the chunk with terms that
+    cancel, and one bf16 rounding of the decayed tile survived the sum: kda_fused_gate's d_a
+    grew with the chunk size to 9.6e-3 at C = 64 on an H100 (replayed on the CPU: 8.9e-3 at
+    C = 64, 3.1e-3 with the second dot, at every chunk size)."""
+    rounded = tile.to(DOT_DTYPE)
+    product = tl.dot(a, rounded, input_precision=DOT_PRECISION)
+    if DOT_DTYPE == tl.bfloat16 or DOT_DTYPE == tl.float16:
+        product += tl.dot(a, (tile - rounded.to(tile.dtype)).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return product
 '''
 
 

@@ -235,9 +235,8 @@ def derivative(expr: sympy.Expr, symbol: sympy.Symbol) -> sympy.Expr:
     whether each tanh or exp argument is real, and for some nested powers that question does
     not finish (d/dx of tanh(y + (tanh(x)**2 + 1)**(-12)) ran for hours inside Mod and gcd);
     on real symbols it is answered at once."""
-    real = as_real(expr)
-    plain = {known: s for s in expr.free_symbols for known in real.free_symbols if known.name == s.name}
-    return sympy.diff(real, as_real(symbol)).xreplace(plain)
+    plain = {as_real(s): s for s in expr.free_symbols}
+    return sympy.diff(as_real(expr), as_real(symbol)).xreplace(plain)
 
 
 def is_nonnegative(expr: sympy.Expr) -> bool:
