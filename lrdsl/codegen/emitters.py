@@ -317,29 +317,54 @@ def decayed_matmul(m, b, x, y, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DT
     """BT x BK: sum_{j < i} m_ij b_jc exp2(x_ic - y_jc), or with TRANSPOSE
     sum_{j > i} m_ji b_jc exp2(x_jc - y_ic).
 
-    The pairs split as decay_split's levels do, at the first half's last row r of each block
-    (y_r gathered per row). The levels run as a loop, not unrolled: unrolled, each level's
-    operand tiles kept shared memory of their own (kda's backward output kernel at C = 64 took
-    155,648 bytes, 57,344 as a loop) and ptxas spilled more."""
+    Two forms, by what an H100 measured. From C = 32 on at K <= 128 the levels run as a loop
+    with the decayed tile fed to 16-bit dots in two parts (dot_of_rounded_parts): unrolled, each
+    level's operand tiles kept shared memory of their own (kda's backward output kernel at C = 64:
+    155,648 bytes, 57,344 as a loop, and the second dot unrolled did not fit sm_90), and gla's
+    forward + backward at C = 32 ran 6.55 -> 5.29 ms. At C = 16 (four levels) and at K > 128 they
+    unroll with one dot per level: as a loop kda's forward + backward at C = 16 ran 7.74 -> 9.65 ms
+    (ptxas spilled 348 -> 1,176 bytes per thread), and at K = 256 the loop or the second dot
+    starved the kernel of registers (kda_fused_gate, kda_neg_eigval: 32-64 of 255)."""
     BK: tl.constexpr = x.shape[1]
     out = tl.zeros((BT, BK), dtype=x.dtype)
-    o_c = tl.arange(0, BT)
-    S = 1
-    while S < BT:  # blocks of 2S rows, S = 1, 2, 4, ... < BT
-        r = (o_c // (2 * S)) * (2 * S) + S - 1
-        y_r = tl.gather(y, tl.broadcast_to(r[:, None], (BT, BK)), axis=0)
-        second = (o_c // S) % 2 == 1
-        first = (o_c // S) % 2 == 0
-        up = tl.exp2(tl.where(second[:, None], x - y_r, float("-inf")))  # exp2(x_i - y_r) <= 1
-        down = tl.exp2(tl.where(first[:, None], y_r - y, float("-inf")))  # exp2(y_r - y_j) <= 1
-        pairs = (o_c[:, None] // (2 * S) == o_c[None, :] // (2 * S)) & second[:, None] & first[None, :]
-        block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
-        if TRANSPOSE:
-            out += down * dot_of_rounded_parts(tl.trans(block), b * up, DOT_DTYPE, DOT_PRECISION)
-        else:
-            out += up * dot_of_rounded_parts(block, b * down, DOT_DTYPE, DOT_PRECISION)
-        S *= 2
+    if BT < 32 or BK > 128:
+        for level in tl.static_range(7):  # blocks of 2S rows, S = 1, 2, 4, ... < BT
+            if (1 << level) < BT:
+                up, down, pairs = decay_split(x, y, 1 << level, BT, (1 << level) - 1)
+                block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
+                if TRANSPOSE:
+                    out += down * tl.dot(tl.trans(block), (b * up).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+                else:
+                    out += up * tl.dot(block, (b * down).to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    else:
+        S = 1
+        while S < BT:
+            out += decayed_level(m, b, x, y, S, TRANSPOSE, BT, DOT_DTYPE, DOT_PRECISION)
+            S *= 2
     return out
+
+
+@triton.jit
+def decayed_level(m, b, x, y, S, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """decayed_matmul's pairs (i, j) in one block of 2S rows with i in its second half and j in
+    its first. They split at the first half's last row r (y_r gathered per row): exp2(x_i - y_j)
+    = exp2(x_i - y_r) exp2(y_r - y_j), both factors <= 1."""
+    BK: tl.constexpr = x.shape[1]
+    o_c = tl.arange(0, BT)
+    r = (o_c // (2 * S)) * (2 * S) + S - 1
+    y_r = tl.gather(y, tl.broadcast_to(r[:, None], (BT, BK)), axis=0)
+    second = (o_c // S) % 2 == 1
+    first = (o_c // S) % 2 == 0
+    up = tl.exp2(tl.where(second[:, None], x - y_r, float("-inf")))
+    down = tl.exp2(tl.where(first[:, None], y_r - y, float("-inf")))
+    pairs = (o_c[:, None] // (2 * S) == o_c[None, :] // (2 * S)) & second[:, None] & first[None, :]
+    block = tl.where(pairs, m, 0.0).to(DOT_DTYPE)
+    if TRANSPOSE:
+        part = down * dot_of_rounded_parts(tl.trans(block), b * up, DOT_DTYPE, DOT_PRECISION)
+    else:
+        part = up * dot_of_rounded_parts(block, b * down, DOT_DTYPE, DOT_PRECISION)
+    return part
 
 
 @triton.jit
@@ -347,8 +372,8 @@ def dot_of_rounded_parts(a, tile, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.con
     """a @ tile for an fp32 tile, which 16-bit dots take as two: its rounding, then the rounding
     of what that left. A gate's gradient sums these products over the chunk with terms that
     cancel, and one bf16 rounding of the decayed tile survived the sum: kda_fused_gate's d_a
-    grew with the chunk size to 9.6e-3 at C = 64 on an H100 (replayed on the CPU: 8.9e-3 at
-    C = 64, 3.1e-3 with the second dot, at every chunk size)."""
+    grew with the chunk size to 9.6e-3 at C = 64 on an H100 (replayed on the CPU: 6.6e-3 at
+    C = 32, 8.9e-3 at C = 64; 3.1-3.2e-3 at both with the second dot)."""
     rounded = tile.to(DOT_DTYPE)
     product = tl.dot(a, rounded, input_precision=DOT_PRECISION)
     if DOT_DTYPE == tl.bfloat16 or DOT_DTYPE == tl.float16:
