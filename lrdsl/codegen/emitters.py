@@ -349,7 +349,9 @@ def decayed_level(m, b, x, y, S, TRANSPOSE: tl.constexpr, BT: tl.constexpr, DOT_
                   DOT_PRECISION: tl.constexpr):
     """decayed_matmul's pairs (i, j) in one block of 2S rows with i in its second half and j in
     its first. They split at the first half's last row r (y_r gathered per row): exp2(x_i - y_j)
-    = exp2(x_i - y_r) exp2(y_r - y_j), both factors <= 1."""
+    = exp2(x_i - y_r) exp2(y_r - y_j), both factors <= 1. decay_split's split, for a runtime S
+    (its reshape needs S at compile time); the unrolled form keeps decay_split, since with this
+    gather there gla's K = 256 kernel spilled twice as much."""
     BK: tl.constexpr = x.shape[1]
     o_c = tl.arange(0, BT)
     r = (o_c // (2 * S)) * (2 * S) + S - 1

@@ -158,10 +158,11 @@ CHUNK_LAUNCH_WIDE_INPUTS = {**_CHECKED_WIDE}
 #   10 (rwkv7, dplr)        C = 64, K = 128: 417,792 (over; 126,976 at C = 32, 212,992 at K = 256);
 #                           tf32 C = 32, K = 128: 282,624 (over; 120,832 at C = 16); tf32 at K = 256
 #                           233,472 even at C = 16: no chunk size fits (None), chunk() refuses it
-# These were measured with decayed_matmul's levels unrolled, as they still are at K > 128. At K <= 128
-# they run as a loop (each level's operand tiles reusing the last one's shared memory) with a second
-# 16-bit dot, bf16: kda C = 64: 57,344; rwkv7 C = 32: 45,056; kda tf32 C = 32: 36,864. Larger chunk
-# sizes may fit there now; the sizes below stay until the GPU has measured them.
+# These were measured with decayed_matmul's levels unrolled, as they still are at C = 16 and at
+# K > 128. From C = 32 on at K <= 128 they run as a loop (each level's operand tiles reusing the last
+# one's shared memory) with a second 16-bit dot, bf16: kda C = 64: 57,344; rwkv7 C = 32: 45,056; kda
+# tf32 C = 32: 36,864. Larger chunk sizes may fit there now; the sizes below stay until the GPU has
+# measured them.
 # A program with more decayed products than measured here is refused at compile time.
 LARGEST_CHUNK_SIZES = (  # (at most this many decayed products, {(precision, K > 128): chunk size or None})
     (3, {("input", False): 64, ("input", True): 64, ("tf32", False): 32, ("tf32", True): 32}),
