@@ -12,6 +12,7 @@ from ..ir.chunk import (
     ChunkProgram,
     ClampBelow,
     ClampBelowGrad,
+    CrossingSum,
     Cumsum,
     DecayMatrix,
     DecayedGram,
@@ -252,6 +253,15 @@ def _decayed_matmul(op: DecayedMatMul, ctx: KernelContext) -> list[str]:
 @CHUNK_EMITTERS.register(Diagonal)
 def _diagonal(op: Diagonal, ctx: KernelContext) -> list[str]:
     return [f"{var(op.out)} = tl.sum(tl.where(o_c[:, None] == o_c[None, :], {var(op.x)}, 0.0), axis=1)"]
+
+
+@CHUNK_EMITTERS.register(CrossingSum)
+def _crossing_sum(op: CrossingSum, ctx: KernelContext) -> list[str]:
+    # the suffix sums down each column, R_tj = sum_{i >= t} x_ij, then row t's sum over j < t:
+    # every term is a pair that spans row t, so nothing is added only to cancel
+    out = var(op.out)
+    return [f"{out} = tl.cumsum({var(op.x)}, axis=0, reverse=True)  # C x C until the next line",
+            f"{out} = tl.sum(tl.where(o_c[None, :] < o_c[:, None], {out}, 0.0), axis=1)"]
 
 
 KEY_CHANNEL_OPS = (DecayedGram, DecayedMatMul)  # the ops that call the helpers below

@@ -205,6 +205,24 @@ class Cumsum(ChunkOp):
         return f"{kind}cumsum({self.x})"
 
 
+def scaled_cumsum(prog: "ChunkProgram", value: str) -> tuple[Cumsum, sympy.Expr] | None:
+    """(cumsum, c) where `value` = c * cumsum for a prefix sum (not reversed) and a constant c, the
+    value itself being such a sum with c = 1; None for anything else."""
+    op = prog.op(value)
+    factor = sympy.Integer(1)
+    if isinstance(op, Formula):
+        if len(op.args()) != 1:
+            return None
+        inner = sympy.Symbol(op.args()[0])
+        factor = sympy.simplify(op.expr / inner)
+        if not factor.is_number:  # not linear in the sum
+            return None
+        op = prog.op(str(inner))
+    if not isinstance(op, Cumsum) or op.reverse:
+        return None
+    return op, factor
+
+
 @dataclass(frozen=True)
 class LastRow(ChunkOp):
     """The last row of the chunk (padded rows past the sequence end carry the last real value)."""
@@ -329,6 +347,22 @@ class Diagonal(ChunkOp):
 
     def describe(self):
         return f"diagonal({self.x})"
+
+
+@dataclass(frozen=True)
+class CrossingSum(ChunkOp):
+    """C: out_t = sum of x_ij over the pairs j < t <= i, those whose span (j, i] holds row t.
+    Appears in backward programs only (no adjoint rule): the gradient of the log-decay increments
+    g from the pair decays exp2(c (s_i - s_j)), s = cumsum(g), summed pair by pair instead of as
+    the suffix sum of (row sums - column sums), in which every pair inside the span cancels."""
+
+    x: str
+
+    def args(self):
+        return (self.x,)
+
+    def describe(self):
+        return f"crossing_sum({self.x})"
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from .chunk import (
     ChunkProgram,
     ClampBelow,
     ClampBelowGrad,
+    CrossingSum,
     Cumsum,
     DecayMatrix,
     DecayedGram,
@@ -137,6 +138,12 @@ def _t_cumsum(op: Cumsum, env, ctx):
     return out.flip(0) if op.reverse else out
 
 
+def _t_crossing_sum(op: CrossingSum, env, ctx):
+    x = env[op.x]
+    C = x.shape[0]
+    return torch.stack([x[t:, :t].sum() for t in range(C)])
+
+
 def _t_matmul(op: MatMul, env, ctx):
     a = env[op.a].T if op.transpose_a else env[op.a]
     b = env[op.b].T if op.transpose_b else env[op.b]
@@ -174,6 +181,7 @@ TORCH_RULES = {
     DecayedGram: _t_decayed_gram,
     DecayedMatMul: _t_decayed_matmul,
     Diagonal: lambda op, env, ctx: torch.diagonal(env[op.x]),
+    CrossingSum: _t_crossing_sum,
     Band: lambda op, env, ctx: torch.where(_band(env[op.x].shape[0], op), env[op.x], 0.0),
     Mask: lambda op, env, ctx: torch.where(_lower(env[op.x].shape[0], op.inclusive), env[op.x], 0.0),
     MatMul: _t_matmul,
@@ -251,6 +259,12 @@ def _s_cumsum(op: Cumsum, env, ctx):
         return r < i if op.exclusive else r <= i
 
     return sympy.Matrix(x.rows, x.cols, lambda i, j: sum(x[r, j] for r in rows if included(r, i)))
+
+
+def _s_crossing_sum(op: CrossingSum, env, ctx):
+    x = env[op.x]
+    C = x.rows
+    return sympy.Matrix(C, 1, lambda t, _: sum(x[i, j] for i in range(t, C) for j in range(t)))
 
 
 def _s_last_row(op: LastRow, env, ctx):
@@ -364,6 +378,7 @@ SYMPY_RULES = {
     DecayedGram: _s_decayed_gram,
     DecayedMatMul: _s_decayed_matmul,
     Diagonal: lambda op, env, ctx: sympy.Matrix(env[op.x].rows, 1, lambda i, j: env[op.x][i, i]),
+    CrossingSum: _s_crossing_sum,
     Band: _s_band,
     Mask: _s_mask,
     MatMul: _s_matmul,

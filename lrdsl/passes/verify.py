@@ -13,6 +13,7 @@ from ..ir.chunk import (
     ChunkProgram,
     ClampBelow,
     ClampBelowGrad,
+    CrossingSum,
     Cumsum,
     DecayMatrix,
     DecayedGram,
@@ -33,6 +34,7 @@ from ..ir.chunk import (
     ReduceSum,
     StateIn,
     UnitLowerInverse,
+    scaled_cumsum,
 )
 from ..ir.formula import HEAD_INDEX
 from ..ir.plan import BackwardPlan, ChunkPlans, StageGraph
@@ -173,7 +175,7 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
         return ("C", "C")
     if isinstance(op, DecayedMatMul):
         return ("C", "K")
-    if isinstance(op, Diagonal):
+    if isinstance(op, (Diagonal, CrossingSum)):
         return ("C",)
     if isinstance(op, Band):
         return ("C", "C")
@@ -193,20 +195,11 @@ def _expected_shape(op, shapes, rec) -> tuple | None:
 def _exclusive_beside_inclusive(prog: ChunkProgram, x: str, y: str) -> bool:
     """x = exclusive cumsum(g) * c and y = cumsum(g) * c for one g and one constant c (so that
     x_i = y_(i-1), which the adjoint of a two-decay DecayedGram relies on)."""
-    def cumsum_of(value):
-        op = prog.op(value)
-        if not isinstance(op, ChunkFormula) or len(op.args()) != 1:
-            return None
-        inner = prog.op(op.args()[0])
-        if not isinstance(inner, Cumsum) or inner.reverse:
-            return None
-        return inner, op.expr.subs(sympy.Symbol(inner.out), 1)
-
-    found = cumsum_of(x), cumsum_of(y)
+    found = scaled_cumsum(prog, x), scaled_cumsum(prog, y)
     if None in found:
         return False
     (cx, fx), (cy, fy) = found
-    return cx.exclusive and not cy.exclusive and cx.x == cy.x and fx == fy and fx.is_number
+    return cx.exclusive and not cy.exclusive and cx.x == cy.x and fx == fy
 
 
 @verifies(ChunkProgram)
@@ -250,7 +243,7 @@ def verify_chunk_program(prog: ChunkProgram) -> None:
                      f"{where}: two decays must be the exclusive and inclusive cumulative sums of one log-decay")
         if isinstance(op, ClampBelowGrad):
             _require(shapes[op.dy] == shapes[op.x], f"{where}: the gradient's shape {shapes[op.dy]} is not {shapes[op.x]}")
-        if isinstance(op, (Mask, UnitLowerInverse, Diagonal, Band)):
+        if isinstance(op, (Mask, UnitLowerInverse, Diagonal, CrossingSum, Band)):
             arg = op.a if isinstance(op, UnitLowerInverse) else op.x
             _require(shapes[arg] == ("C", "C"), f"{where}: needs a C x C matrix")
         shapes[op.out] = op.shape
