@@ -256,8 +256,9 @@ CHUNK_LAUNCH_SMALL_CHUNK_KEY_CHANNEL = {**{role: s for role, s in CHUNK_LAUNCH_S
 # rated at the launches the module runs (launch_for), gdn's kernel is 2.17x its register file at
 # C = 64 (64 columns, 8 warps), 1.30x at C = 32 (128 columns) and 0.89x at C = 16. The tolerance
 # was 1.25 while the estimate rated 64 columns at C = 32 (0.95x there), which the module does not
-# run; 1.30 keeps the measured choice. The margin is thin: kda's kernel rates 1.31x at C = 32
-# (64 columns; not measured there), so kda keeps C = 16.
+# run; 1.30 keeps the measured choice. kda's kernel rates 1.38x at C = 32 (64 columns), rwkv7's
+# 1.50x, so both keep C = 16; measured at 32 on the H200 (round 33, fwd+bwd 4 x 4096, H = 16)
+# kda took 11.45 ms against 7.78 at 16, rwkv7 18.65 against 13.02.
 REGISTER_FILE_BYTES_PER_WARP = 32 * 255 * 4  # 32 threads x 255 registers of 4 bytes
 BACKWARD_PRESSURE_TOLERANCE = 1.3
 # The forward picks its chunk size by the same estimate, with less slack: its kernels are shorter,
