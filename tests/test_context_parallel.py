@@ -189,8 +189,8 @@ def test_context_parallel_matches_one_process_and_oracle(world):
             continues_from, continues_to, pieces = r["where"]
             if continues_from and continues_to and pieces == 1:
                 expected = [V + K]  # only a sequence's middle: one call, its o corrected by the chained maps
-            elif not continues_from:
-                expected = [V]  # every sequence starts here: one call on the slice, before the exchange
+            elif continues_to and pieces == 1:
+                expected = [V]  # the start of one sequence: the call that gives the map is the rank's call
             else:
                 expected = [V] * (1 + continues_to)  # its last piece (when it continues), then the slice
             assert r["widths"] == expected, (name, layout, r["where"], r["widths"])

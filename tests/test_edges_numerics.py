@@ -40,18 +40,21 @@ RESETS = [("one", -1e4), ("one", -1e5), ("one", -1e9), ("one", -math.inf), ("run
 def with_resets(rec, tensors, tokens, g, generator):
     """`tensors` with the log-decay at `g` on the `tokens` (a [T] mask), in every value head, and
     for a per-key-channel gate on a random half of the key channels. The gate is the spec's input
-    itself (g, w), or Qwen3.5's -exp(A_log) softplus(a + dt_bias), driven through a = -g (its
-    softplus is a itself there): the formula's own value."""
+    itself (g, w), or Qwen3.5's -exp(A_log) softplus(a + dt_bias), driven through a = -g with
+    A_log = dt_bias = 0, so that the formula's own value is -softplus(-g) = g (to 2e-9 at
+    g = -20; with a random A_log it could fall below the floor where g was meant above it)."""
     names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    tensors = list(tensors)
     if rec.name == "gdn_qwen35":
         index, value = names.index("a"), -g
+        for head_input in ("A_log", "dt_bias"):
+            tensors[names.index(head_input)] = torch.zeros_like(tensors[names.index(head_input)])
     else:
         index, value = names.index(str(rec.log_decay)), g
     x = tensors[index].clone()
     where = tokens.view(1, -1, 1)
     if x.dim() == 4:  # [B, T, HV, K]
         where = where[..., None] & (torch.rand(x.shape, generator=generator) < 0.5)
-    tensors = list(tensors)
     tensors[index] = torch.where(where, torch.full_like(x, value), x)
     return tensors
 

@@ -5,10 +5,9 @@ by column of V: over a run of tokens X_out = M X_in + B (M [K, K] per value head
 and gates alone; B [K, V]). So a rank's pieces need only the state its first piece enters with,
 and that is the earlier ranks' maps chained (docs/design.md §9):
 
-1. A rank whose sequences all start on it needs nothing from the others: it runs the module's
-   own chunk() on its slice before the exchange, once, and where its last piece continues on a
-   later rank that call's last final state X is the piece's map ([X | 0]). Any other rank whose
-   last piece continues runs chunk() once on that piece's tokens: where the rank holds only the
+1. A rank whose last piece continues on a later rank runs chunk() once on that piece's tokens
+   (where that piece is the whole slice and starts there, that is the rank's whole call: its
+   output is kept and nothing runs after the exchange): where the rank holds only the
    sequence's middle, with v widened by K zero columns and the initial state [0 | I] (the
    widened columns start at I and get no v, so they end at M; the state columns end at B: the
    piece's final state is [B | M], exactly, for every spec, with no per-spec code); where the
@@ -16,8 +15,9 @@ and that is the earlier ranks' maps chained (docs/design.md §9):
 2. One all_gather of that [HV, K, V + K] map per rank (zeros from the others) on the group.
 3. Each rank whose first piece continues chains the maps of the ranks before it, in the
    accumulation dtype, from the sequence's first rank: X = B_r + M_r X, and runs its ordinary
-   chunk() with X as its first piece's initial state (where its last piece continues too, that
-   piece runs twice: in step 1 and here). A rank holding only the middle runs no
+   chunk() with X as its first piece's initial state; so does a rank holding several pieces
+   whose first starts there (then its last piece, where it continues, runs twice: in step 1 and
+   here). A rank holding only the middle runs no
    second call: the output is linear in the state, so step 1's o is its output from a zero
    entry state beside the read of M, and o = that + (read of M) X.
 The backward is autograd through these steps: the all_gather's backward is an all_reduce of the
@@ -143,17 +143,12 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
     middle_only = bool(ctx.pre_num_ranks and ctx.post_num_ranks and n == 1)
     want_final = bool(options.get("output_final_state"))
     widened_o = o = None
-    if not ctx.pre_num_ranks:
-        # every sequence starts here: the rank's whole call needs nothing from the others, so it
-        # runs before the exchange, once, and its last final state is the map (M = 0) where the
-        # last piece continues (a separate call on that piece would compute it twice)
+    if ctx.post_num_ranks and not ctx.pre_num_ranks and n == 1:
+        # the slice is one piece, the start of a sequence that continues: the call that gives its
+        # map (its final state X, M = 0) is the rank's whole call, run once, before the exchange
         initial = h0.to(acc) if h0 is not None else None
-        o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial,
-                                               output_final_state=want_final or bool(ctx.post_num_ranks)))
-        if ctx.post_num_ranks:
-            mine = torch.cat([ht[-1].to(acc), torch.zeros(HV, K, K, dtype=acc, device=q.device)], dim=-1).reshape(-1)
-        else:
-            mine = torch.zeros(HV * K * (V + K), dtype=acc, device=q.device, requires_grad=training)
+        o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial, output_final_state=True))
+        mine = torch.cat([ht[-1].to(acc), torch.zeros(HV, K, K, dtype=acc, device=q.device)], dim=-1).reshape(-1)
     elif ctx.post_num_ranks:
         # on the last piece's tokens only, as one sequence
         declared = chunk.__globals__["INPUTS"]
@@ -190,16 +185,18 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
                     f"only): every rank of the group must run the backward, or none")
     maps = gathered[:, :-1].reshape(ctx.world_size, HV, K, V + K)
 
-    if o is not None:  # every sequence starts here: the rank's call ran before the exchange
+    if o is not None:  # the rank's one call ran in step 1
         if training:
             o = _Anchor.apply(o, gathered)
         return o, _final_states(ctx, ht if want_final else None, v_first)
 
     # 3. the state this rank's first piece enters with: the earlier ranks' maps chained
-    first = ctx.rank - ctx.pre_num_ranks  # the sequence's first rank: its map holds no M
-    entry = maps[first, ..., :V]
-    for r in range(first + 1, ctx.rank):  # ranks holding only its middle
-        entry = maps[r, ..., :V] + torch.matmul(maps[r, ..., V:], entry)
+    entry = None
+    if ctx.pre_num_ranks:
+        first = ctx.rank - ctx.pre_num_ranks  # the sequence's first rank: its map holds no M
+        entry = maps[first, ..., :V]
+        for r in range(first + 1, ctx.rank):  # ranks holding only its middle
+            entry = maps[r, ..., :V] + torch.matmul(maps[r, ..., V:], entry)
     if middle_only:
         # o_t = scale S_t^T q_t with S_t = [B_t | M_t] applied to [X ; I]: the zero-entry output
         # plus the read of M_t times X, in the accumulation dtype
@@ -213,9 +210,12 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         ht = torch.empty((0, HV, V, K) if v_first else (0, HV, K, V), dtype=acc, device=q.device) if want_final else None
         return o, ht
     rest = h0.to(acc) if h0 is not None else None
-    if rest is None and n > 1:
-        rest = torch.zeros(n - 1, HV, K, V, dtype=acc, device=q.device)
-    initial = entry[None] if rest is None else torch.cat([entry[None], rest])
+    if entry is not None:
+        if rest is None and n > 1:
+            rest = torch.zeros(n - 1, HV, K, V, dtype=acc, device=q.device)
+        initial = entry[None] if rest is None else torch.cat([entry[None], rest])
+    else:
+        initial = rest
     o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial, output_final_state=want_final))
     if training:
         o = _Anchor.apply(o, gathered)
