@@ -86,7 +86,7 @@ class _CountedChunk:
         self.chunk, self.widths, self.__globals__ = chunk, widths, chunk.__globals__
 
     def __call__(self, q, k, v, *args, **options):
-        self.widths.append(v.shape[-1])
+        self.widths.append((v.shape[-1], q.shape[1]))
         return self.chunk(q, k, v, *args, **options)
 
 
@@ -187,13 +187,16 @@ def test_context_parallel_matches_one_process_and_oracle(world):
         cu = LAYOUTS[layout]
         for r in results:  # the chunk() calls each rank made: the map's at V + K only where M is needed
             continues_from, continues_to, pieces = r["where"]
+            widths = [width for width, _ in r["widths"]]
             if continues_from and continues_to and pieces == 1:
                 expected = [V + K]  # only a sequence's middle: one call, its o corrected by the chained maps
             elif continues_to and pieces == 1:
                 expected = [V]  # the start of one sequence: the call that gives the map is the rank's call
             else:
-                expected = [V] * (1 + continues_to)  # its last piece (when it continues), then the slice
-            assert r["widths"] == expected, (name, layout, r["where"], r["widths"])
+                expected = [V] * (1 + continues_to)  # its last piece (when it continues), then the others
+            assert widths == expected, (name, layout, r["where"], widths)
+            # every token of the slice runs once (the old code ran a continuing last piece twice)
+            assert sum(tokens for _, tokens in r["widths"]) == T // world, (name, layout, r["where"], r["widths"])
         rec, references = _single_and_oracle(name, layout, states)
         mine = _gathered(results, rec, cu, states)
         names = ["q", "k", "v"] + [i.name for i in rec.inputs]

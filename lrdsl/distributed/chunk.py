@@ -5,19 +5,19 @@ by column of V: over a run of tokens X_out = M X_in + B (M [K, K] per value head
 and gates alone; B [K, V]). So a rank's pieces need only the state its first piece enters with,
 and that is the earlier ranks' maps chained (docs/design.md §9):
 
-1. A rank whose last piece continues on a later rank runs chunk() once on that piece's tokens
-   (where that piece is the whole slice and starts there, that is the rank's whole call: its
-   output is kept and nothing runs after the exchange): where the rank holds only the
+1. A rank whose last piece continues on a later rank runs chunk() once on that piece's tokens:
+   where the rank holds only the
    sequence's middle, with v widened by K zero columns and the initial state [0 | I] (the
    widened columns start at I and get no v, so they end at M; the state columns end at B: the
    piece's final state is [B | M], exactly, for every spec, with no per-spec code); where the
-   piece starts on this rank, plainly from its own initial state ([X | 0]).
+   piece starts on this rank, plainly from its own initial state ([X | 0]), and that call's
+   output is the piece's output (nothing before the piece reaches it).
 2. One all_gather of that [HV, K, V + K] map per rank (zeros from the others) on the group.
 3. Each rank whose first piece continues chains the maps of the ranks before it, in the
    accumulation dtype, from the sequence's first rank: X = B_r + M_r X, and runs its ordinary
-   chunk() with X as its first piece's initial state; so does a rank holding several pieces
-   whose first starts there (then its last piece, where it continues, runs twice: in step 1 and
-   here). A rank holding only the middle runs no
+   chunk() with X as its first piece's initial state, on the pieces step 1 did not run (all
+   but a last piece that started here: no token runs twice, and a rank holding only the start
+   of one sequence runs nothing after the exchange). A rank holding only the middle runs no
    second call: the output is linear in the state, so step 1's o is its output from a zero
    entry state beside the read of M, and o = that + (read of M) X.
 The backward is autograd through these steps: the all_gather's backward is an all_reduce of the
@@ -93,12 +93,13 @@ class _Anchor(torch.autograd.Function):
         return grad, torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
 
 
-def _last_piece(tensors, inputs, start, T):
-    """q, k, v and the spec's inputs from token `start` on: each per-token tensor's rows from
-    start x its rows per token (several with steps_per_token), the per-head inputs whole.
+def _pieces(tensors, inputs, start, stop, T):
+    """q, k, v and the spec's inputs on tokens [start, stop): each per-token tensor's rows from
+    start to stop x its rows per token (several with steps_per_token), the per-head inputs whole.
     inputs: the module's INPUTS, (name, role) of each input after q, k, v."""
     roles = ["token", "token", "token"] + [role for _, role in inputs]
-    return [t[:, start * (t.shape[1] // T):] if role.startswith("token") else t for t, role in zip(tensors, roles)]
+    return [t[:, start * (t.shape[1] // T):stop * (t.shape[1] // T)] if role.startswith("token") else t
+            for t, role in zip(tensors, roles)]
 
 
 def context_parallel_chunk(ctx, chunk, tensors, options):
@@ -142,17 +143,12 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
     # 1. this rank's map: the final state of its last piece, [B | M], where that piece continues
     middle_only = bool(ctx.pre_num_ranks and ctx.post_num_ranks and n == 1)
     want_final = bool(options.get("output_final_state"))
-    widened_o = o = None
-    if ctx.post_num_ranks and not ctx.pre_num_ranks and n == 1:
-        # the slice is one piece, the start of a sequence that continues: the call that gives its
-        # map (its final state X, M = 0) is the rank's whole call, run once, before the exchange
-        initial = h0.to(acc) if h0 is not None else None
-        o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial, output_final_state=True))
-        mine = torch.cat([ht[-1].to(acc), torch.zeros(HV, K, K, dtype=acc, device=q.device)], dim=-1).reshape(-1)
-    elif ctx.post_num_ranks:
+    widened_o = last_o = None
+    declared = chunk.__globals__["INPUTS"]
+    last_start = int(ctx.cu_seqlens_cpu[-2])  # the last piece's first token in the slice
+    if ctx.post_num_ranks:
         # on the last piece's tokens only, as one sequence
-        declared = chunk.__globals__["INPUTS"]
-        piece = _last_piece(tensors, declared, int(ctx.cu_seqlens_cpu[-2]), q.shape[1])
+        piece = _pieces(tensors, declared, last_start, q.shape[1], q.shape[1])
         alone = dict(local, cu_seqlens=None, chunk_indices=None, output_final_state=True)
         if middle_only:  # only the middle of a sequence: its map from any entry
             last = torch.cat([torch.zeros(HV, K, V, dtype=acc, device=q.device),
@@ -167,9 +163,10 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
             # output once the entry state is known (step 3), with no second call
             widened_o, state = chunk(*widened, **dict(alone, initial_state=last[None]))
             mine = state[0].reshape(-1)
-        else:  # the sequence starts here, from its own initial state: M is not needed (M = 0)
+        else:  # the sequence starts here, from its own initial state: M is not needed (M = 0),
+            # and nothing before it changes its output: step 3 leaves the piece out
             start = h0[-1:] if h0 is not None else None
-            _, state = chunk(*piece, **dict(alone, initial_state=start))
+            last_o, state = chunk(*piece, **dict(alone, initial_state=start))
             mine = torch.cat([state[0].to(acc), torch.zeros(HV, K, K, dtype=acc, device=q.device)], dim=-1).reshape(-1)
     else:
         mine = torch.zeros(HV * K * (V + K), dtype=acc, device=q.device, requires_grad=training)
@@ -184,11 +181,6 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         _fail(spec, f"ranks disagree on gradients (inputs needing them on ranks {flags.nonzero().flatten().tolist()} "
                     f"only): every rank of the group must run the backward, or none")
     maps = gathered[:, :-1].reshape(ctx.world_size, HV, K, V + K)
-
-    if o is not None:  # the rank's one call ran in step 1
-        if training:
-            o = _Anchor.apply(o, gathered)
-        return o, _final_states(ctx, ht if want_final else None, v_first)
 
     # 3. the state this rank's first piece enters with: the earlier ranks' maps chained
     entry = None
@@ -209,22 +201,41 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         # its one sequence ends on a later rank: no final state here
         ht = torch.empty((0, HV, V, K) if v_first else (0, HV, K, V), dtype=acc, device=q.device) if want_final else None
         return o, ht
-    rest = h0.to(acc) if h0 is not None else None
+    # the pieces step 1 did not finish: all, or all but the last, which it ran from its start
+    ran_last = last_o is not None
+    count = n - ran_last
+    starting = h0.to(acc) if h0 is not None else None
+    if starting is not None and ran_last:
+        starting = starting[:-1]  # the last piece's was step 1's
     if entry is not None:
-        if rest is None and n > 1:
-            rest = torch.zeros(n - 1, HV, K, V, dtype=acc, device=q.device)
-        initial = entry[None] if rest is None else torch.cat([entry[None], rest])
+        if starting is None and count > 1:
+            starting = torch.zeros(count - 1, HV, K, V, dtype=acc, device=q.device)
+        initial = entry[None] if starting is None else torch.cat([entry[None], starting])
     else:
-        initial = rest
-    o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial, output_final_state=want_final))
+        initial = starting
+    ht = None
+    if count == 0:  # the slice is one piece that starts here and continues: step 1 was the call
+        o = last_o
+    elif ran_last:
+        # chunk_indices given for the whole slice do not fit these pieces: chunk() counts theirs
+        # from cu_seqlens (one synchronisation, as any call without chunk_indices)
+        before = _pieces(tensors, declared, 0, last_start, q.shape[1])
+        o, ht = chunk(*before, **dict(local, cu_seqlens=ctx.cu_seqlens[:-1], chunk_indices=None,
+                                      initial_state=initial, output_final_state=want_final))
+        o = torch.cat([o, last_o], dim=1)
+    else:
+        o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial, output_final_state=want_final))
     if training:
         o = _Anchor.apply(o, gathered)
+    if want_final and ht is None:  # no sequence ends here
+        ht = last_o.new_zeros((0, HV, K, V), dtype=acc)
     return o, _final_states(ctx, ht, v_first)
 
 
 def _final_states(ctx, ht, v_first):
     """The final states of the sequences ending on this rank, from a call's (its last piece's,
-    when that continues on a later rank, is a map, not a final state), in the layout asked for."""
+    when that continues on a later rank and the call ran it, is a map, not a final state), in the
+    layout asked for."""
     if ht is None:
         return None
     ht = ht[: len(ctx.final_state_ids)]
