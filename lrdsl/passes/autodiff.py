@@ -14,8 +14,9 @@ gradients of its inputs; a value read by several ops sums its contributions. Ops
 needs are dropped.
 
 Adjoint rules: elementwise formulas by sympy.diff; a broadcast sums back; cumsum -> reverse cumsum;
-last row -> placed on the last row; exp2(G_i - G_j) -> ln2 * (row sums - column sums) of dD * D, or, where G is a scaled cumsum(g),
-straight to dg: the sum of ln2 dD * D over the pairs whose span holds each row;
+last row -> placed on the last row; exp2(G_i - G_j) -> ln2 * (row sums - column sums) of dD * D,
+or, where G is a scaled cumsum(g), straight to dg: ln2 dD * D summed over the pairs whose span
+holds each row;
 the per-channel decayed product M = sum_c a_ic b_jc exp2(x_ic - y_jc) -> da, db by the same decayed
 product applied to dM (and its transpose), dx = ln2 a * da, dy = -ln2 b * db (one decay: their sum);
 masks mask; a floor passes the gradient where it does not clamp; matmuls transpose; X = (I + A)^-1 -> dA = StrictLower(-X^T dX X^T); the L2 norm ->
@@ -167,8 +168,9 @@ def _decay(op: DecayMatrix, dy: str, sweep: Sweep):
         # x = c cumsum(g): D_ij depends on g_t for j < t <= i, so dg_t = ln2 c sum of dD_ij D_ij
         # over those pairs, summed directly. Through dx, the suffix sum of (row sums - column
         # sums) would add and then cancel every pair inside the span: at strong decay dg is tiny
-        # beside those pairs and the rounding of the cancellation swamps it (2e-3 in fp32 at
-        # g = -30 per token). The pair (i, i) spans no row: it drops out by itself.
+        # beside those pairs and the rounding of the cancellation swamps it where one token's
+        # update steps pair with decay 1 (Gated DeltaProduct's d_g 0.8-5.2 off at g = -20 on
+        # every token, fp32). The pair (i, i) spans no row: it drops out by itself.
         cumsum, factor = source
         weighted = b.formula(b.fresh(f"{dy}_times_{op.out}"), sympy.Symbol(dy) * sympy.Symbol(op.out) * LN2 * factor, ("C", "C"))
         yield cumsum.x, str(b.add(CrossingSum(sweep.name(cumsum.x, op), ("C",), str(weighted))))
