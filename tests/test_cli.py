@@ -17,7 +17,7 @@ import torch
 from lrdsl import reference
 from lrdsl.cli import main
 from lrdsl.passes.pipeline import STAGES
-from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs
+from lrdsl.verification.workloads import TOLERANCE, Shape, make_inputs, relative_error
 
 from conftest import HAS_GPU, INTERPRETED, ROOT
 from helpers import assert_close, recurrence, spec_path
@@ -753,3 +753,41 @@ def test_import_lrdsl_turns_the_interpreter_on_or_says_why_it_cannot():
     assert late.returncode == 0 and late.stdout.strip() == "None", late.stdout + late.stderr
     (line,) = late.stderr.strip().splitlines()
     assert "InterpreterWarning: no GPU, and triton was imported before lrdsl" in line and "import lrdsl first" in line
+
+
+def test_gate_gradient_at_strong_decay_in_a_fresh_interpreter(tmp_path, generator):
+    """As a user trains Gated DeltaProduct (two update steps per token) where every token forgets
+    strongly (g = -20): lrdsl.load, chunk(), backward, in a process of its own. The gate's
+    gradient summed the pairs of one token's two steps (decay 1) in and out again; their rounding
+    swamped it: d_g 0.8-5.2 off the oracle, now about 1e-5."""
+    rec = recurrence("gated_deltaproduct")
+    tensors = list(make_inputs(rec, Shape(1, 40, 1, 2, 16, 16), generator=generator))
+    names = ["q", "k", "v"] + [i.name for i in rec.inputs]
+    tensors[names.index("g")] = torch.full_like(tensors[names.index("g")], -20.0)
+    d_o = torch.randn(1, 40, 2, 16, generator=generator)
+    torch.save({"tensors": tensors, "d_o": d_o}, tmp_path / "inputs.pt")
+    script = textwrap.dedent(
+        f"""
+        import os, torch
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+        import lrdsl
+        mod = lrdsl.load({str(ROOT / 'specs' / 'gated_deltaproduct.toml')!r})
+        data = torch.load({str(tmp_path / 'inputs.pt')!r})
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        leaves = [t.to(device).requires_grad_() for t in data["tensors"]]
+        o, _ = mod.chunk(*leaves)
+        (o * data["d_o"].to(device)).sum().backward()
+        torch.save([t.grad.cpu() for t in leaves], {str(tmp_path / 'grads.pt')!r})
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], env=user_environment(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    grads = torch.load(tmp_path / "grads.pt")
+    refs = [t.double().requires_grad_() for t in tensors]
+    ref_o, _ = reference.run(rec, *refs)
+    (ref_o * d_o.double()).sum().backward()
+    for name, grad, ref in zip(names, grads, refs):
+        error = relative_error(grad, ref.grad)
+        assert error <= TOLERANCE[torch.float32], f"d_{name}: {error:.2e} off the float64 oracle"
