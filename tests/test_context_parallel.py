@@ -79,15 +79,29 @@ def _token_slice(t, rows, lo, hi):
 
 
 class _CountedChunk:
-    """A module's chunk() that records the value columns of every call (what context parallelism
-    runs on a rank: plain calls at V, the map's at V + K)."""
+    """A module's chunk() that records, in `events`, the value columns and tokens of every call
+    (what context parallelism runs on a rank: plain calls at V, the map's at V + K)."""
 
-    def __init__(self, chunk, widths):
-        self.chunk, self.widths, self.__globals__ = chunk, widths, chunk.__globals__
+    def __init__(self, chunk, events):
+        self.chunk, self.events, self.__globals__ = chunk, events, chunk.__globals__
 
     def __call__(self, q, k, v, *args, **options):
-        self.widths.append((v.shape[-1], q.shape[1]))
+        self.events.append((v.shape[-1], q.shape[1]))
         return self.chunk(q, k, v, *args, **options)
+
+
+class _RecordedWait:
+    """An async collective's handle that records, in `events`, when the rank waited for it."""
+
+    def __init__(self, work, events):
+        self.work, self.events = work, events
+
+    def wait(self):
+        self.events.append("wait")
+        return self.work.wait()
+
+
+C = 16  # the chunk size of the cases that pass chunk_indices
 
 
 def _rank_main(rank, world, init, out_dir, cases):
@@ -95,11 +109,13 @@ def _rank_main(rank, world, init, out_dir, cases):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     import lrdsl.distributed.chunk as cp
 
-    widths, run_rank = [], cp.context_parallel_chunk
-    cp.context_parallel_chunk = lambda ctx, chunk, tensors, options: run_rank(ctx, _CountedChunk(chunk, widths), tensors, options)
+    events, run_rank, gather = [], cp.context_parallel_chunk, dist.all_gather
+    cp.context_parallel_chunk = lambda ctx, chunk, tensors, options: run_rank(ctx, _CountedChunk(chunk, events), tensors, options)
+    cp.dist.all_gather = lambda *a, async_op=False, **kw: (
+        _RecordedWait(gather(*a, async_op=True, **kw), events) if async_op else gather(*a, **kw))
     try:
         for name, layout, states in cases:
-            widths.clear()
+            events.clear()
             local, cu = T // world, LAYOUTS[layout]
             rec, tensors, h0, d_o, d_ht = _inputs(name, cu, states)
             mod = module(name)
@@ -108,14 +124,23 @@ def _rank_main(rank, world, init, out_dir, cases):
             leaves = [_token_slice(t, r, lo, hi).clone().requires_grad_() for t, r in
                       zip(tensors, rows_per_token(rec))]
             mine = h0[list(ctx.initial_state_ids)].clone().requires_grad_() if states else None
-            o, ht = mod.chunk(*leaves, initial_state=mine, output_final_state=states, cp_context=ctx)
+            # the cases with states also pass chunk_indices counted on the host, as a caller who
+            # avoids synchronisations does: every count inside is then made on a host copy
+            counted_on, prepare = [], mod.prepare_varlen
+            mod.prepare_varlen = lambda cu_, size=64, cu_cpu=None: counted_on.append(cu_cpu is not None) or prepare(cu_, size, cu_cpu)
+            given = dict(chunk_size=C, chunk_indices=prepare(ctx.cu_seqlens, C, ctx.cu_seqlens_cpu)) if states else {}
+            try:
+                o, ht = mod.chunk(*leaves, initial_state=mine, output_final_state=states, cp_context=ctx, **given)
+            finally:
+                mod.prepare_varlen = prepare
             loss = (o * d_o[:, lo:hi]).sum()
             if states:
                 loss = loss + (ht * d_ht[list(ctx.final_state_ids)]).sum()
             loss.backward()
             torch.save(dict(o=o.detach(), ht=None if ht is None else ht.detach(),
                             grads=[t.grad for t in leaves], d_h0=None if mine is None else mine.grad,
-                            initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids, widths=list(widths),
+                            initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids, events=list(events),
+                            counted_on_host=counted_on,
                             where=(ctx.pre_num_ranks > 0, ctx.post_num_ranks > 0, len(ctx.sequence_ids))),
                        os.path.join(out_dir, f"{name}.{layout}.{states}.{rank}.pt"))
     finally:
@@ -185,18 +210,24 @@ def test_context_parallel_matches_one_process_and_oracle(world):
     worst = {}
     for (name, layout, states), results in _run_world(world).items():
         cu = LAYOUTS[layout]
-        for r in results:  # the chunk() calls each rank made: the map's at V + K only where M is needed
+        for r in results:  # the chunk() calls each rank made, and when it waited for the maps
             continues_from, continues_to, pieces = r["where"]
-            widths = [width for width, _ in r["widths"]]
             if continues_from and continues_to and pieces == 1:
-                expected = [V + K]  # only a sequence's middle: one call, its o corrected by the chained maps
-            elif continues_to and pieces == 1:
-                expected = [V]  # the start of one sequence: the call that gives the map is the rank's call
+                # only a sequence's middle: one call, its o corrected by the chained maps
+                expected = [V + K, "wait"]
             else:
-                expected = [V] * (1 + continues_to)  # its last piece (when it continues), then the others
-            assert widths == expected, (name, layout, r["where"], widths)
+                # its last piece when that continues (the map); then, while the maps travel, the
+                # pieces starting here; after them, a first piece that continues
+                own = pieces - continues_from - continues_to > 0
+                expected = [V] * continues_to + [V] * own + ["wait"] + [V] * continues_from
+            got = [e if e == "wait" else e[0] for e in r["events"]]
+            assert got == expected, (name, layout, r["where"], r["events"])
             # every token of the slice runs once (the old code ran a continuing last piece twice)
-            assert sum(tokens for _, tokens in r["widths"]) == T // world, (name, layout, r["where"], r["widths"])
+            tokens = sum(e[1] for e in r["events"] if e != "wait")
+            assert tokens == T // world, (name, layout, r["where"], r["events"])
+            # with chunk_indices counted on the host (the cases with states), no call counts chunks
+            # on the device (a synchronisation on a GPU)
+            assert not states or all(r["counted_on_host"]), (name, layout, r["where"], r["counted_on_host"])
         rec, references = _single_and_oracle(name, layout, states)
         mine = _gathered(results, rec, cu, states)
         names = ["q", "k", "v"] + [i.name for i in rec.inputs]
@@ -288,6 +319,15 @@ def _extras_rank_main(rank, world, init, out_dir, fns, layouts):
         o = torch.compile(two_calls, backend="aot_eager")(*leaves)
         (o * d_o[:, lo:hi]).sum().backward()
         torch.save(dict(o=o.detach(), grads=[t.grad for t in leaves]), os.path.join(out_dir, f"compiled.{rank}.pt"))
+        # ranks that disagree on gradients (rank 0's inputs need them, the others' do not): every
+        # rank refuses in one line, after the exchange that tells it so
+        leaves = [t[:, lo:hi].clone().requires_grad_(rank == 0) for t in tensors]
+        try:
+            module("gdn").chunk(*leaves, cp_context=ctx)
+            refusal = None
+        except lrdsl.InputError as error:
+            refusal = str(error)
+        torch.save(dict(refusal=refusal), os.path.join(out_dir, f"disagree.{rank}.pt"))
         for layout in layouts:  # the layer: its convolution's halo, then the recurrence
             layer, x, d_out = _layer()
             ctx = build_cp_context(torch.tensor(LAYOUTS[layout]), group=None, conv1d_kernel_size=4)
@@ -307,7 +347,7 @@ EXTRAS_FNS, EXTRAS_LAYOUTS, EXTRAS_WORLD = ("chunk_gated_delta_rule", "chunk_kda
 @functools.lru_cache(maxsize=None)
 def _extras_results():
     """The ops and layer cases, run by one spawn of EXTRAS_WORLD ranks: {name: [per-rank results]}."""
-    names = list(EXTRAS_FNS) + ["chained", "compiled"] + [f"layer.{layout}" for layout in EXTRAS_LAYOUTS]
+    names = list(EXTRAS_FNS) + ["chained", "compiled", "disagree"] + [f"layer.{layout}" for layout in EXTRAS_LAYOUTS]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_extras_rank_main, args=(EXTRAS_WORLD, f"tcp://127.0.0.1:{_free_port()}", out_dir,
                                                     EXTRAS_FNS, EXTRAS_LAYOUTS),
@@ -353,6 +393,14 @@ def test_chained_calls(case):
         errors[f"d_{i}"] = relative_error(torch.cat([r["grads"][i] for r in ranks], dim=1), leaf.grad)
     bad = {k: e for k, e in errors.items() if not e <= TOLERANCE[torch.float32]}
     assert not bad, f"two chained calls ({case}) on {EXTRAS_WORLD} ranks: {bad}"
+
+
+def test_ranks_that_disagree_on_gradients_all_refuse():
+    """A call whose inputs need gradients on one rank only would leave the others' backward
+    without its collective (a hang): every rank refuses it, in one line naming the ranks."""
+    for r in _extras_results()["disagree"]:
+        assert r["refusal"] is not None and "ranks disagree on gradients" in r["refusal"], r
+        assert "on ranks [0] only" in r["refusal"] and "\n" not in r["refusal"], r["refusal"]
 
 
 def test_layer_takes_cp_context():
@@ -429,7 +477,7 @@ def test_the_one_gpu_script_runs_as_documented_on_the_cpu(tmp_path):
     from conftest import ROOT
     from test_cli import user_environment
 
-    command = "--device cpu --tokens 96 --heads 1,2 --dims 16 --dtype float32".split()  # its docstring's
+    command = "--device cpu --tokens 96 --heads 1,2 --dims 16 --dtype float32 --repeat 1".split()  # its docstring's
     environment = dict(user_environment(), OUT=str(tmp_path))
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "cp_one_gpu.py"), *command], cwd=tmp_path,
                             env=environment, capture_output=True, text=True, timeout=900)
@@ -439,3 +487,6 @@ def test_the_one_gpu_script_runs_as_documented_on_the_cpu(tmp_path):
     for row in rows:
         assert len(row["cu_seqlens"]) == 6 and row["errors"]
         assert max(row["errors"].values()) <= TOLERANCE[torch.float32], row
+        times = [row[k] for k in ("forward_ms", "forward_backward_ms", "one_process_forward_ms",
+                                  "one_process_forward_backward_ms")]
+        assert all(isinstance(t, float) and t > 0 for t in times), row

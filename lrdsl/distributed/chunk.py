@@ -12,14 +12,16 @@ and that is the earlier ranks' maps chained (docs/design.md §9):
    piece's final state is [B | M], exactly, for every spec, with no per-spec code); where the
    piece starts on this rank, plainly from its own initial state ([X | 0]), and that call's
    output is the piece's output (nothing before the piece reaches it).
-2. One all_gather of that [HV, K, V + K] map per rank (zeros from the others) on the group.
-3. Each rank whose first piece continues chains the maps of the ranks before it, in the
-   accumulation dtype, from the sequence's first rank: X = B_r + M_r X, and runs its ordinary
-   chunk() with X as its first piece's initial state, on the pieces step 1 did not run (all
-   but a last piece that started here: no token runs twice, and a rank holding only the start
-   of one sequence runs nothing after the exchange). A rank holding only the middle runs no
-   second call: the output is linear in the state, so step 1's o is its output from a zero
-   entry state beside the read of M, and o = that + (read of M) X.
+2. One all_gather of that [HV, K, V + K] map per rank (zeros from the others) on the group,
+   started without waiting.
+3. While the maps travel, each rank runs chunk() on the pieces whose entry states it holds (the
+   sequences starting on it, but a last piece step 1 ran): on GPUs that work overlaps the
+   exchange. Then a rank whose first piece continues chains the maps of the ranks before it, in
+   the accumulation dtype, from the sequence's first rank: X = B_r + M_r X, and runs that piece
+   alone from X. No token runs twice, and a rank holding only the start of one sequence runs
+   nothing after step 1. A rank holding only the middle runs no second call: the output is
+   linear in the state, so step 1's o is its output from a zero entry state beside the read of
+   M, and o = that + (read of M) X.
 The backward is autograd through these steps: the all_gather's backward is an all_reduce of the
 gradients of the gathered maps, which hands every rank the gradient of its own map, and with it
 the gradient of the state its last piece leaves (d(initial state) of the next rank's first
@@ -46,21 +48,32 @@ def _fail(spec: str, message: str):
     raise InputError(f"{spec}.chunk: cp_context: {message}")
 
 
-class _AllGather(torch.autograd.Function):
-    """[W, ...] of every rank's x; the backward all_reduces the gradient and keeps this rank's row."""
+class _Exchanged(torch.autograd.Function):
+    """The gathered maps [W, ...], gathered outside (while the rank's other work ran), as a
+    function of this rank's own map x: the backward all_reduces their gradient and keeps this
+    rank's row."""
 
     @staticmethod
-    def forward(ctx, x, group, rank, world):
+    def forward(ctx, x, gathered, group, rank):
         ctx.group, ctx.rank = group, rank
-        rows = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(rows, x.detach().contiguous(), group=group)
-        return torch.stack(rows)
+        return gathered
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad[ctx.rank], None, None, None
+
+
+# Both run eagerly under torch.compile (a graph break): traced, the gathered maps' backward (an
+# all_reduce) would land in a compiled graph, where the ranks' collectives lose the order autograd
+# keeps them in (measured: two chained calls under torch.compile then wait on each other forever).
+@torch.compiler.disable
+def _all_gather(x, ctx):
+    """[W, ...] of every rank's x (ctx: the CPContext), waited for; differentiable (_Exchanged)."""
+    rows = [torch.empty_like(x) for _ in range(ctx.world_size)]
+    dist.all_gather(rows, x.detach().contiguous(), group=ctx.group)
+    return _Exchanged.apply(x, torch.stack(rows), ctx.group, ctx.rank)
 
 
 class _Tie(torch.autograd.Function):
@@ -102,6 +115,7 @@ def _pieces(tensors, inputs, start, stop, T):
             for t, role in zip(tensors, roles)]
 
 
+@torch.compiler.disable
 def context_parallel_chunk(ctx, chunk, tensors, options):
     """(o, final states of the sequences ending on this rank) for this rank's slice `tensors`
     (q, k, v and the spec's inputs); `chunk` is the generated module's own chunk()."""
@@ -144,11 +158,11 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
     middle_only = bool(ctx.pre_num_ranks and ctx.post_num_ranks and n == 1)
     want_final = bool(options.get("output_final_state"))
     widened_o = last_o = None
-    declared = chunk.__globals__["INPUTS"]
+    declared, T = chunk.__globals__["INPUTS"], q.shape[1]
     last_start = int(ctx.cu_seqlens_cpu[-2])  # the last piece's first token in the slice
     if ctx.post_num_ranks:
         # on the last piece's tokens only, as one sequence
-        piece = _pieces(tensors, declared, last_start, q.shape[1], q.shape[1])
+        piece = _pieces(tensors, declared, last_start, T, T)
         alone = dict(local, cu_seqlens=None, chunk_indices=None, output_final_state=True)
         if middle_only:  # only the middle of a sequence: its map from any entry
             last = torch.cat([torch.zeros(HV, K, V, dtype=acc, device=q.device),
@@ -172,17 +186,37 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         mine = torch.zeros(HV * K * (V + K), dtype=acc, device=q.device, requires_grad=training)
     if training:
         mine = _Tie.apply(mine, *[t for t in inputs if t.requires_grad])
-    # 2. every rank's map, to every rank. The flag travels with them: the ranks must agree on
-    # whether there is a backward (reading it back is the call's one host synchronisation)
+    # 2. every rank's map, to every rank, started here and waited for only once the work that
+    # does not need it is under way. The flag travels with them: the ranks must agree on whether
+    # there is a backward
     flag = torch.full((1,), float(training), dtype=acc, device=q.device)
-    gathered = _AllGather.apply(torch.cat([mine, flag]), ctx.group, ctx.rank, ctx.world_size)
-    flags = gathered[:, -1].detach()
-    if bool((flags != flags[0]).any()):
-        _fail(spec, f"ranks disagree on gradients (inputs needing them on ranks {flags.nonzero().flatten().tolist()} "
-                    f"only): every rank of the group must run the backward, or none")
-    maps = gathered[:, :-1].reshape(ctx.world_size, HV, K, V + K)
+    sent = torch.cat([mine, flag])
+    rows = [torch.empty_like(sent) for _ in range(ctx.world_size)]
+    pending = dist.all_gather(rows, sent.detach().contiguous(), group=ctx.group, async_op=True)
 
-    # 3. the state this rank's first piece enters with: the earlier ranks' maps chained
+    # 3. while the maps travel: the pieces whose entry state this rank holds (those starting here,
+    # but a last piece step 1 ran), in one call; a first piece that continues waits for the maps
+    ran_last = last_o is not None
+    first_waits = bool(ctx.pre_num_ranks) and not middle_only
+    lo, hi = int(first_waits), n - ran_last
+    outputs, finals = [], []
+    if not middle_only and hi > lo:
+        own = h0[: hi - lo] if h0 is not None else None  # h0's rows are the pieces starting here, in order
+        if lo == 0 and hi == n:  # the whole slice, as the caller gave it
+            o_own, ht_own = chunk(*tensors, **dict(local, initial_state=own, output_final_state=want_final))
+        else:
+            o_own, ht_own = chunk(*_pieces(tensors, declared, int(ctx.cu_seqlens_cpu[lo]), int(ctx.cu_seqlens_cpu[hi]), T),
+                                  **dict(local, **_some_pieces(ctx, chunk, local.get("chunk_indices"), lo, hi),
+                                         initial_state=own, output_final_state=want_final))
+        outputs.append(o_own)
+        finals.append(ht_own)
+    if ran_last:
+        outputs.append(last_o)
+
+    pending.wait()
+    gathered = _Exchanged.apply(sent, torch.stack(rows), ctx.group, ctx.rank)
+    maps = gathered[:, :-1].reshape(ctx.world_size, HV, K, V + K)
+    # the state this rank's first piece enters with: the earlier ranks' maps chained
     entry = None
     if ctx.pre_num_ranks:
         first = ctx.rank - ctx.pre_num_ranks  # the sequence's first rank: its map holds no M
@@ -194,49 +228,39 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
         # plus the read of M_t times X, in the accumulation dtype
         zero_entry, read_m = widened_o[..., :V].to(acc), widened_o[..., V:].to(acc)
         o = (zero_entry + torch.einsum("bthj,hjv->bthv", read_m, entry)).to(v.dtype)
-        if training:
-            o = _Anchor.apply(o, gathered)
-            if h0 is not None:  # no sequence starts here: initial_state holds none, its gradient is that empty
-                o = _Anchor.apply(o, h0)
         # its one sequence ends on a later rank: no final state here
         ht = torch.empty((0, HV, V, K) if v_first else (0, HV, K, V), dtype=acc, device=q.device) if want_final else None
-        return o, ht
-    # the pieces step 1 did not finish: all, or all but the last, which it ran from its start
-    ran_last = last_o is not None
-    count = n - ran_last
-    starting = h0.to(acc) if h0 is not None else None
-    if starting is not None and ran_last:
-        starting = starting[:-1]  # the last piece's was step 1's
-    if entry is not None:
-        if starting is None and count > 1:
-            starting = torch.zeros(count - 1, HV, K, V, dtype=acc, device=q.device)
-        initial = entry[None] if starting is None else torch.cat([entry[None], starting])
     else:
-        initial = starting
-    ht = None
-    if count == 0:  # the slice is one piece that starts here and continues: step 1 was the call
-        o = last_o
-    elif ran_last:
-        # chunk_indices given for the whole slice do not fit these pieces: chunk() counts theirs
-        # from cu_seqlens (one synchronisation, as any call without chunk_indices)
-        before = _pieces(tensors, declared, 0, last_start, q.shape[1])
-        o, ht = chunk(*before, **dict(local, cu_seqlens=ctx.cu_seqlens[:-1], chunk_indices=None,
-                                      initial_state=initial, output_final_state=want_final))
-        o = torch.cat([o, last_o], dim=1)
-    else:
-        o, ht = chunk(q, k, v, *extras, **dict(local, initial_state=initial, output_final_state=want_final))
+        if first_waits:  # one sequence, from the chained entry state
+            o_first, ht_first = chunk(*_pieces(tensors, declared, 0, int(ctx.cu_seqlens_cpu[1]), T),
+                                      **dict(local, cu_seqlens=None, chunk_indices=None, initial_state=entry[None],
+                                             output_final_state=want_final))
+            outputs.insert(0, o_first)
+            finals.insert(0, ht_first)
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        ht = None
+        if want_final:  # the sequences ending here, in order (a continuing last piece's is a map, not one)
+            ht = torch.cat(finals) if finals else o.new_zeros((0, HV, K, V), dtype=acc)
+            ht = ht.transpose(-1, -2).contiguous() if v_first else ht
     if training:
         o = _Anchor.apply(o, gathered)
-    if want_final and ht is None:  # no sequence ends here
-        ht = last_o.new_zeros((0, HV, K, V), dtype=acc)
-    return o, _final_states(ctx, ht, v_first)
+        if h0 is not None and h0.shape[0] == 0:  # no sequence starts here: its (empty) gradient all the same
+            o = _Anchor.apply(o, h0)
+    # read back last, once every kernel of the call is queued: it is the call's one host synchronisation
+    flags = gathered[:, -1].detach()
+    if bool((flags != flags[0]).any()):
+        _fail(spec, f"ranks disagree on gradients (inputs needing them on ranks {flags.nonzero().flatten().tolist()} "
+                    f"only): every rank of the group must run the backward, or none")
+    return o, ht
 
 
-def _final_states(ctx, ht, v_first):
-    """The final states of the sequences ending on this rank, from a call's (its last piece's,
-    when that continues on a later rank and the call ran it, is a map, not a final state), in the
-    layout asked for."""
-    if ht is None:
-        return None
-    ht = ht[: len(ctx.final_state_ids)]
-    return ht.transpose(-1, -2).contiguous() if v_first else ht
+def _some_pieces(ctx, chunk, given, lo, hi):
+    """cu_seqlens (and chunk_indices, where the caller gave them for the whole slice) of a call on
+    the slice's pieces lo .. hi - 1. The chunks are counted on the context's host copy of
+    cu_seqlens: no synchronisation, as with the caller's. Without the caller's, chunk() counts
+    them, as any call without chunk_indices does."""
+    cu = ctx.cu_seqlens[lo:hi + 1] - ctx.cu_seqlens[lo] if lo else ctx.cu_seqlens[:hi + 1]
+    if given is None:
+        return dict(cu_seqlens=cu, chunk_indices=None)
+    cu_cpu = ctx.cu_seqlens_cpu[lo:hi + 1] - ctx.cu_seqlens_cpu[lo]
+    return dict(cu_seqlens=cu, chunk_indices=chunk.__globals__["prepare_varlen"](cu, given.chunk_size, cu_cpu))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .chunk import _AllGather, _Anchor, _Tie
+from .chunk import _Anchor, _Tie, _all_gather
 
 
 def causal_conv_with_halo(conv, x, ctx):
@@ -36,7 +36,7 @@ def causal_conv_with_halo(conv, x, ctx):
     training = torch.is_grad_enabled() and x.requires_grad
     if training:
         tail = _Tie.apply(tail, x)
-    tails = _AllGather.apply(tail, ctx.group, ctx.rank, ctx.world_size)  # [world, width, D]
+    tails = _all_gather(tail, ctx)  # [world, width, D]
     h = ctx.pre_num_conv_tokens
     if h == 0:
         y = conv(x, ctx.cu_seqlens)
