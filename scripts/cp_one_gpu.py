@@ -4,15 +4,18 @@ whole. Needs no multi-GPU machine (issue 46's single-card tier).
 
     python scripts/cp_one_gpu.py                                   # gdn, 2 and 4 ranks, 64K and 256K tokens, bf16
     python scripts/cp_one_gpu.py --spec kda --worlds 2 --tokens 65536
-    python scripts/cp_one_gpu.py --device cpu --tokens 96 --heads 1,2 --dims 16 --dtype float32   # CPU check
+    python scripts/cp_one_gpu.py --device cpu --tokens 96 --heads 1,2 --dims 16 --dtype float32 --repeat 1   # CPU check
 
 The packed batch holds sequences of several lengths (`--lengths`, fractions of T: one crosses
 every rank boundary, short ones start and end inside a rank). Every rank draws the same global
 inputs from `--seed`, runs chunk(..., cp_context=) forward and backward on its T / W tokens with
 initial and final states, and the outputs, final states and every gradient are gathered; the
 whole batch then runs in one process through the same module. Printed per (W, T): the largest
-relative error of each against the one-process run, and each rank's peak device memory. JSON
-rows go to $OUT/cp_one_gpu.json (or /tmp).
+relative error of each against the one-process run, each rank's peak device memory, and the
+median milliseconds of `--repeat` more calls, forward (no gradients) and forward + backward, of
+the slowest rank (every call started together) beside the one process's. The ranks share the
+card, so these say what context parallelism costs on top of the same work, not how it scales.
+JSON rows go to $OUT/cp_one_gpu.json (or /tmp).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -87,14 +91,43 @@ def rank_main(rank, world, init, args, shape, bounds, out):
         mine = h0[list(ctx.initial_state_ids)].clone().requires_grad_()
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        o, ht = mod.chunk(*leaves, initial_state=mine, output_final_state=True, cp_context=ctx)
-        ((o.float() * d_o[:, lo:hi].float()).sum() + (ht * d_ht[list(ctx.final_state_ids)]).sum()).backward()
+
+        def step(backward):
+            o, ht = mod.chunk(*leaves, initial_state=mine, output_final_state=True, cp_context=ctx)
+            if backward:
+                ((o.float() * d_o[:, lo:hi].float()).sum() + (ht * d_ht[list(ctx.final_state_ids)]).sum()).backward()
+            return o, ht
+
+        o, ht = step(backward=True)
         peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None
-        torch.save(dict(o=o.detach().cpu(), ht=ht.detach().cpu(), grads=[t.grad.cpu() for t in leaves],
-                        d_h0=mine.grad.cpu(), initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids,
-                        peak_mib=peak), os.path.join(out, f"{rank}.pt"))
+        result = dict(o=o.detach().cpu(), ht=ht.detach().cpu(), grads=[t.grad.cpu() for t in leaves],
+                      d_h0=mine.grad.cpu(), initial_ids=ctx.initial_state_ids, final_ids=ctx.final_state_ids,
+                      peak_mib=peak)
+        with torch.no_grad():
+            result["forward_ms"] = timed(lambda: step(backward=False), args.repeat, args.device, barrier=True)
+        result["forward_backward_ms"] = timed(lambda: step(backward=True), args.repeat, args.device, barrier=True)
+        torch.save(result, os.path.join(out, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def timed(run, repeat, device, barrier=False):
+    """Median wall milliseconds of run() over `repeat` calls (None for none), each started together
+    on every rank (barrier) and ended when the device is idle."""
+    if not repeat:
+        return None
+    times = []
+    for _ in range(repeat):
+        if barrier:
+            dist.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def one_process(args, shape, bounds):
@@ -109,9 +142,18 @@ def one_process(args, shape, bounds):
     leaves = [t.clone().requires_grad_() for t in tensors]
     h = h0.clone().requires_grad_()
     cu = torch.tensor(bounds, dtype=torch.int32, device=args.device)
-    o, ht = mod.chunk(*leaves, initial_state=h, output_final_state=True, cu_seqlens=cu)
-    ((o.float() * d_o.float()).sum() + (ht * d_ht).sum()).backward()
-    return rec, o.detach().cpu(), ht.detach().cpu(), [t.grad.cpu() for t in leaves], h.grad.cpu()
+
+    def step(backward):
+        o, ht = mod.chunk(*leaves, initial_state=h, output_final_state=True, cu_seqlens=cu)
+        if backward:
+            ((o.float() * d_o.float()).sum() + (ht * d_ht).sum()).backward()
+        return o, ht
+
+    o, ht = step(backward=True)
+    result = (rec, o.detach().cpu(), ht.detach().cpu(), [t.grad.cpu() for t in leaves], h.grad.cpu())
+    with torch.no_grad():
+        forward_ms = timed(lambda: step(backward=False), args.repeat, args.device)
+    return result, (forward_ms, timed(lambda: step(backward=True), args.repeat, args.device))
 
 
 def compare(rec, ranks, whole):
@@ -150,10 +192,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="timed calls after the checked one (median; 0: no timing)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("cp_one_gpu.py: needs a GPU; run it with --device cpu --tokens 96 --heads 1,2 --dims 16 "
-              "--dtype float32 on a CPU", file=sys.stderr)
+              "--dtype float32 --repeat 1 on a CPU", file=sys.stderr)
         return 2
     from lrdsl import config
     from lrdsl.verification.workloads import Shape
@@ -166,7 +210,7 @@ def main(argv=None) -> int:
     for T in (int(x) for x in args.tokens.split(",")):
         bounds = boundaries(T, fractions)
         shape = Shape(1, T, H, HV, args.dims, args.dims)
-        whole = None
+        whole = whole_ms = None
         for world in (int(x) for x in args.worlds.split(",")):
             if T % world:
                 raise SystemExit(f"cp_one_gpu.py: {T} tokens do not split over {world} ranks")
@@ -174,16 +218,23 @@ def main(argv=None) -> int:
                 mp.start_processes(rank_main, args=(world, f"tcp://127.0.0.1:{free_port()}", args, shape, bounds, out),
                                    nprocs=world, start_method="spawn")
                 ranks = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(world)]
-            whole = whole or one_process(args, shape, bounds)
+            if whole is None:
+                whole, whole_ms = one_process(args, shape, bounds)
             errors = compare(whole[0], ranks, whole)
             peaks = [r["peak_mib"] for r in ranks]
             largest = max(errors, key=errors.get)
             worst = max(worst, errors[largest])
+            # the slowest rank's median: the call ends when its last rank does
+            ms = {kind: max((r[kind] for r in ranks), default=None) if args.repeat else None
+                  for kind in ("forward_ms", "forward_backward_ms")}
             print(f"{args.spec} {args.dtype} T={T} H/HV={H}/{HV} K=V={args.dims} on {world} ranks: "
                   f"largest relative error vs one process {errors[largest]:.1e} ({largest}); "
-                  f"peak MiB per rank {[round(p) for p in peaks] if peaks[0] is not None else '-'}")
+                  f"peak MiB per rank {[round(p) for p in peaks] if peaks[0] is not None else '-'}"
+                  + (f"; ms forward {ms['forward_ms']:.2f} (one process {whole_ms[0]:.2f}), forward + backward "
+                     f"{ms['forward_backward_ms']:.2f} ({whole_ms[1]:.2f})" if args.repeat else ""))
             rows.append(dict(spec=args.spec, dtype=args.dtype, T=T, H=H, HV=HV, K=args.dims, world=world,
-                             cu_seqlens=bounds, errors=errors, peak_mib=peaks))
+                             cu_seqlens=bounds, errors=errors, peak_mib=peaks, **ms,
+                             one_process_forward_ms=whole_ms[0], one_process_forward_backward_ms=whole_ms[1]))
     path = os.path.join(os.environ.get("OUT", tempfile.gettempdir()), "cp_one_gpu.json")
     with open(path, "w") as handle:
         json.dump(rows, handle, indent=1)
