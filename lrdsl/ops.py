@@ -334,8 +334,8 @@ def _cp_context(fn: str, cp_context):
 def _save_policy(fn: str, disable_recompute) -> str | None:
     """chunk()'s save_policy for FLA's disable_recompute. Both say what the backward recomputes,
     never what it computes: True, keep every forward activation the backward reads and recompute
-    none, is save_policy "save" (chunk()'s own default); False, FLA's default, is "save_states"
-    (like FLA then, which keeps its chunk-local solved matrices and recomputes the rest; lrdsl
+    none, is save_policy "save"; False, FLA's default, is "save_states" (chunk()'s own default;
+    like FLA then, which keeps its chunk-local solved matrices and recomputes the rest; lrdsl
     also keeps a few entry states where its re-run scan has few programs): the memory a layer
     keeps for its backward stays FLA's. Under torch.compile, where chunk() keeps nothing for its
     backward whatever the policy, False is chunk()'s own (None)."""
