@@ -126,6 +126,7 @@ def emit_module(stages: dict, spec_path: str) -> str:
         f"chunk({signature(_positional(rec), CHUNK_OPTIONS + STATES_OPTIONS + CHECKPOINT_OPTIONS + CP_OPTIONS)}) -> (o, final_state | None[, h])   [differentiable]",
         "prepare_varlen(cu_seqlens, chunk_size=64, cu_seqlens_cpu=None) -> VarlenChunks, for chunk(..., chunk_indices=)",
         'intermediate_chunk_tokens(q, chunk_size=None, plan=None, precision="input", v=None) -> tokens per chunk of chunk()\'s h',
+        "pack_states(states, state_v_first=False) -> int8 rows of an 8-bit state pool; unpack_states(rows, state_v_first=False) -> fp32 states",
     ]
     sections = [emit_recurrent_section(stages["step"], rec),
                 emit_chunk_section(plans, _positional(rec), rec.steps_per_token)]

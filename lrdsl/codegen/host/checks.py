@@ -220,10 +220,39 @@ def _state_offsets(row, i_hv, o_k, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl
     return offsets
 
 
+# An 8-bit pool (int8) holds each state column as K int8 values and, beside them, the column's
+# fp32 scale (its largest |value| / 127): a row is [HV, K + 4, V] (rows K .. K + 3 of a head hold
+# its V scales as fp32) or, with state_v_first, [HV, V, K + 4] (each column's K values, then its
+# scale). A column is one program's (K is never split), so a store finds its scale alone, and a
+# copy of a pool row carries its scales. Why per column and int8, not e4m3: docs/design.md §5.
+POOL_8BIT_DTYPE = torch.int8
+POOL_8BIT_EXTRA = 4  # the bytes of a column's fp32 scale, beside its K values
+POOL_8BIT_LEVELS = 127.0  # int8's largest magnitude used: values round to -127 .. 127
+POOL_8BIT_FLOOR = 2.0**-120  # the smallest divisor of a column's scaling (the kernels' 7.52e-37)
+
+
+@triton.jit
+def _column_scales(states, row, i_hv, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   STATE_V_FIRST: tl.constexpr):
+    """Pointers to the fp32 scales of value columns o_v of head i_hv in an 8-bit pool's row."""
+    base = (row * HV + i_hv) * ((K + 4) * V)
+    if STATE_V_FIRST:
+        at = states + base + o_v * (K + 4) + K
+    else:
+        at = states + base + K * V + o_v * 4
+    return at.to(tl.pointer_type(tl.float32))
+
+
 @triton.jit
 def _load_state(states, row, i_hv, o_k, o_v, mask, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 STATE_V_FIRST: tl.constexpr, ACC: tl.constexpr):
-    """A state tile in ACC (fp32, fp64 for fp64 inputs), whatever dtype `states` stores."""
+    """A state tile in ACC (fp32, fp64 for fp64 inputs), whatever dtype `states` stores (an 8-bit
+    pool: its values times their column's scale)."""
+    if states.dtype.element_ty == tl.int8:
+        offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K + 4, V, STATE_V_FIRST)
+        column = tl.max(mask.to(tl.int32), axis=0) > 0
+        scales = tl.load(_column_scales(states, row, i_hv, o_v, HV, K, V, STATE_V_FIRST), mask=column, other=0.0)
+        return tl.load(states + offsets, mask=mask, other=0).to(ACC) * scales.to(ACC)[None, :]
     offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K, V, STATE_V_FIRST)
     return tl.load(states + offsets, mask=mask, other=0.0).to(ACC)
 
@@ -246,12 +275,75 @@ def _state_at_boundary(tile, states, at_boundary, i_n, i_hv, o_k, o_v, mask, USE
 def _store_state(states, row, i_hv, o_k, o_v, mask, tile, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  STATE_V_FIRST: tl.constexpr):
     """Stores a state tile, rounded to the dtype `states` stores (a bf16 pool rounds once per
-    call: the tokens of one call carry the state in ACC)."""
-    offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K, V, STATE_V_FIRST)
-    tl.store(states + offsets, tile.to(states.dtype.element_ty), mask=mask)
+    call: the tokens of one call carry the state in ACC). An 8-bit pool stores each column as
+    round(value * 127 / m) with its scale m / 127 (m: the column's largest |value|; a zero
+    column stores zeros and scale 0), in fp32 with correctly rounded divisions, so that
+    pack_states() on the host gives the same bytes."""
+    if states.dtype.element_ty == tl.int8:
+        magnitude = tl.max(tl.where(mask, tl.abs(tile.to(tl.float32)), 0.0), axis=0)
+        # the divisor floored at 2**-120 (POOL_8BIT_FLOOR): 127 / it stays finite, and a column
+        # whose values all lie below it stores zeros
+        inverse = tl.math.div_rn(tl.full(magnitude.shape, 127.0, tl.float32), tl.maximum(magnitude, 7.52316384526264e-37))
+        inverse = tl.where(magnitude > 0, inverse, 0.0)
+        levels = tl.floor(tile.to(tl.float32) * inverse[None, :] + 0.5)
+        levels = tl.minimum(tl.maximum(levels, -127.0), 127.0)
+        offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K + 4, V, STATE_V_FIRST)
+        tl.store(states + offsets, levels.to(tl.int8), mask=mask)
+        column = tl.max(mask.to(tl.int32), axis=0) > 0
+        scale = tl.math.div_rn(magnitude, tl.full(magnitude.shape, 127.0, tl.float32))
+        tl.store(_column_scales(states, row, i_hv, o_v, HV, K, V, STATE_V_FIRST), scale, mask=column)
+    else:
+        offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K, V, STATE_V_FIRST)
+        tl.store(states + offsets, tile.to(states.dtype.element_ty), mask=mask)
 
 
-_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, POOL_8BIT_DTYPE)
+
+
+def _pool_dims(HV, K, V, state_v_first, dtype):
+    """The dims of one pool row: a state row's, with K + 4 for an 8-bit pool (its scales)."""
+    rows = K + POOL_8BIT_EXTRA if dtype == POOL_8BIT_DTYPE else K
+    return _state_dims(HV, rows, V, state_v_first)
+
+
+def pack_states(states, state_v_first=False):
+    """States [N, HV, K, V] (or [N, HV, V, K] with state_v_first) as 8-bit pool rows [N, HV, K + 4, V]
+    ([N, HV, V, K + 4]): each value column rounded to int8 against its largest |value|, the
+    column's fp32 scale beside it; the bytes a kernel stores for the same state. For putting a
+    state into an 8-bit pool: pool[rows] = pack_states(states)."""
+    if not isinstance(states, torch.Tensor) or states.dim() != 4 or not states.is_floating_point():
+        _fail("pack_states", f"states must be a float tensor [N, HV, K, V] (or [N, HV, V, K] with state_v_first), got {_describe(states)}")
+    k_axis = -1 if state_v_first else -2
+    if states.shape[k_axis] % 4:
+        _fail("pack_states", f"an 8-bit pool needs K divisible by 4 (each column's fp32 scale sits after its K bytes), got K={states.shape[k_axis]}")
+    x = states.float()
+    magnitude = x.abs().amax(dim=k_axis, keepdim=True)
+    floored = magnitude.clamp(min=POOL_8BIT_FLOOR)  # as the kernels divide: 127 / it stays finite
+    inverse = torch.where(magnitude > 0, POOL_8BIT_LEVELS / floored, torch.zeros_like(magnitude))
+    levels = torch.floor(x * inverse + 0.5).clamp(-POOL_8BIT_LEVELS, POOL_8BIT_LEVELS).to(POOL_8BIT_DTYPE)
+    scale = (magnitude / POOL_8BIT_LEVELS).contiguous()  # [N, HV, 1, V] or [N, HV, V, 1]
+    if state_v_first:
+        scale_bytes = scale.view(POOL_8BIT_DTYPE)  # [N, HV, V, 4]
+    else:  # the V scales' bytes as 4 more rows of V bytes
+        scale_bytes = scale.view(POOL_8BIT_DTYPE).reshape(*scale.shape[:2], POOL_8BIT_EXTRA, scale.shape[-1])
+    return torch.cat([levels, scale_bytes], dim=k_axis).contiguous()
+
+
+def unpack_states(rows, state_v_first=False):
+    """8-bit pool rows [N, HV, K + 4, V] ([N, HV, V, K + 4] with state_v_first) as fp32 states [N, HV, K, V]
+    ([N, HV, V, K]): what the kernels read from them."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 4 or rows.dtype != POOL_8BIT_DTYPE:
+        _fail("unpack_states", f"rows must be an 8-bit pool's rows, int8 [N, HV, K + 4, V] (or [N, HV, V, K + 4] with state_v_first), got {_describe(rows)}")
+    k_axis = -1 if state_v_first else -2
+    K = rows.shape[k_axis] - POOL_8BIT_EXTRA
+    if K <= 0 or K % 4:
+        _fail("unpack_states", f"rows must hold K + 4 entries on the key axis with K divisible by 4, got {rows.shape[k_axis]}")
+    levels, scale_bytes = rows.split([K, POOL_8BIT_EXTRA], dim=k_axis)
+    if state_v_first:
+        scale = scale_bytes.contiguous().view(torch.float32)  # [N, HV, V, 1]
+    else:
+        scale = scale_bytes.contiguous().reshape(*rows.shape[:2], 1, POOL_8BIT_EXTRA * rows.shape[-1]).view(torch.float32)
+    return levels.float() * scale
 
 
 def _state_dims(HV, K, V, state_v_first):
@@ -292,12 +384,16 @@ def _check_pool(fn, state_pool, state_indices, N, HV, K, V, q, state_v_first, va
             _fail(fn, f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != q.device:
             _fail(fn, f"{name} is on {x.device} but q is on {q.device}")
-    dims = _state_dims(HV, K, V, state_v_first)
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != dims:
-        _fail(fn, f"state_pool must be [P, {_state_dims_text(state_v_first)[1:-1]}] = [P, {', '.join(map(str, dims))}], "
-                  f"got {_shape(state_pool)}")
     if state_pool.dtype not in _POOL_DTYPES:
-        _fail(fn, f"state_pool must be float32, bfloat16, float16 or float64, got {state_pool.dtype}")
+        _fail(fn, f"state_pool must be float32, bfloat16, float16, float64 or int8 (8-bit), got {state_pool.dtype}")
+    eight_bit = state_pool.dtype == POOL_8BIT_DTYPE
+    if eight_bit and K % 4:
+        _fail(fn, f"an 8-bit (int8) state_pool needs K divisible by 4 (each column's fp32 scale sits after its K bytes), got K={K}")
+    dims = _pool_dims(HV, K, V, state_v_first, state_pool.dtype)
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != dims:
+        layout = _state_dims_text(state_v_first)[1:-1].replace("K", "K + 4" if eight_bit else "K")
+        _fail(fn, f"{'an 8-bit ' if eight_bit else ''}state_pool must be [P, {layout}] = [P, {', '.join(map(str, dims))}], "
+                  f"got {_shape(state_pool)}")
     if not state_pool.is_contiguous():
         _fail(fn, "state_pool must be contiguous: its rows are updated in place")
     if state_indices.dim() != 1 or state_indices.shape[0] != N:
