@@ -487,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "only); a size pins the backward's chunk size to it too")
     p.add_argument("--backward", action="store_true", help="also time forward + backward (training shapes)")
     p.add_argument("--serving", action="store_true",
-                   help="also time, at decode shapes, decode on a state pool (fp32 and bf16 state), verify of 4 draft "
+                   help="also time, at decode shapes, decode on a state pool (fp32, bf16 and 8-bit state), verify of 4 draft "
                         "tokens and verify + commit, eager and as CUDA-graph replays (lrdsl only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")

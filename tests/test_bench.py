@@ -833,7 +833,7 @@ def test_bench_chunk_sizes_auto_passes_the_checks(capsys, monkeypatch):
 
 
 def test_serving_rows_are_gated_on_the_oracle_and_compared_with_the_pool_decode():
-    """--serving: pool decode (fp32 and bf16 state), verify and verify + commit, each gated by a
+    """--serving: pool decode (fp32, bf16 and 8-bit state), verify and verify + commit, each gated by a
     run on a fresh pool against the oracle (o and the pool rows) and timed relative to the fp32
     pool decode (graph replays only on a GPU); a commit that writes nothing fails its row."""
     spec = bench.SpecUnderTest("gdn", recurrence("gdn"), module("gdn"))
@@ -841,15 +841,18 @@ def test_serving_rows_are_gated_on_the_oracle_and_compared_with_the_pool_decode(
     print(f"[seed {seed}]")
     rows = bench.bench([spec], [TINY_DECODE], device="cpu", dtype=torch.float32, seed=seed, importer=_no_fla, serving=True)
     serving = [r for r in rows if r.mode in bench.SERVING_CALLS]
-    assert [r.mode for r in serving] == ["pool", "pool bf16", "verify", "verify+commit"]
+    assert [r.mode for r in serving] == ["pool", "pool bf16", "pool int8", "verify", "verify+commit"]
     for r in serving:
         assert r.ok, r
-        assert r.err_vs_oracle <= (8e-3 if r.mode == "pool bf16" else 2e-3), r
+        # an 8-bit store: within sqrt(K) / 254 of the rows (K = 16)
+        assert r.err_vs_oracle <= {"pool bf16": 8e-3, "pool int8": 16**0.5 / 254}.get(r.mode, 2e-3), r
         assert r.state_tbps > 0 and r.vs_pool > 0 and r.ratios == {}
     assert serving[0].vs_pool == 1.0
-    assert "pool" not in bench.format_summary(rows) and bench.format_row(serving[3]).split()[-2] == f"{serving[3].vs_pool:.2f}"
+    assert "pool" not in bench.format_summary(rows) and bench.format_row(serving[4]).split()[-2] == f"{serving[4].vs_pool:.2f}"
     assert bench.serving_state_bytes(TINY_DECODE, "verify+commit") == 3 * 2 * 2 * 16 * 16 * 4
-    lazy = types.SimpleNamespace(recurrent=spec.module.recurrent, verify=spec.module.verify, commit=lambda *a, **k: None)
+    assert bench.serving_state_bytes(TINY_DECODE, "pool int8") == 2 * 2 * 2 * (16 + 4) * 16
+    lazy = types.SimpleNamespace(recurrent=spec.module.recurrent, verify=spec.module.verify, commit=lambda *a, **k: None,
+                                 pack_states=spec.module.pack_states, unpack_states=spec.module.unpack_states)
     rows = bench.serving_rows(bench.SpecUnderTest("gdn", spec.rec, lazy), TINY_DECODE, "cpu", torch.float32,
                               torch.Generator().manual_seed(seed), bench.measurers("cpu"), 2e-3)
     failed = {r.mode: r for r in rows if not r.ok}

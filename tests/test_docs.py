@@ -18,7 +18,7 @@ from lrdsl import config, reference
 from lrdsl.cli import show_stages
 from lrdsl.errors import SpecError
 from lrdsl.spec import load_spec, parse_spec
-from lrdsl.verification.workloads import Shape, make_inputs
+from lrdsl.verification.workloads import Shape, make_inputs, relative_error
 
 from conftest import HAS_GPU, INTERPRETED, ROOT
 from helpers import assert_close, recurrence
@@ -187,9 +187,10 @@ def test_readme_main_command_runs():
 
 # -- the Python examples --------------------------------------------------------------------------
 
-def test_the_documents_have_four_python_examples():
-    """The four below (kernels, the layer, the FLA-compatible ops, serving); a new example needs a test of its own."""
-    assert [len(fenced_blocks(path, "python")) for path in DOCUMENTS] == [4, 0]
+def test_the_documents_have_five_python_examples():
+    """The five below (kernels, the layer, the FLA-compatible ops, serving, the 8-bit pool); a new
+    example needs a test of its own."""
+    assert [len(fenced_blocks(path, "python")) for path in DOCUMENTS] == [5, 0]
 
 
 def run_as_user(code: str, cwd: Path, inputs: dict, outputs: dict, setup: str = "", after: str = "",
@@ -355,6 +356,27 @@ def test_readme_serving_example(generator, tmp_path):
                                  output_final_state=True)
         states[row] = final[0]
     assert_close(got["pool"], states, torch.float32, "pool after both commits")
+
+
+def test_readme_8bit_pool_example(generator, tmp_path):
+    """The 8-bit pool example as written: a zero int8 pool is the zero state; one decode step on
+    slots (2, -1, 4): o against the oracle, and the rows it wrote, unpacked, within a store's
+    rounding (sqrt(K) / 254 of the state, relative) of the oracle's final states."""
+    example = fenced_blocks(ROOT / "README.md", "python")[4]
+    rec = recurrence("gdn")
+    P, HV, K, V = 5, 2, 16, 24
+    step = make_inputs(rec, Shape(3, 1, 1, HV, K, V), generator=generator)
+    inputs = dict(P=P, HV=HV, K=K, V=V, slots=torch.tensor([2, -1, 4]), q=step[0])
+    inputs.update({name + "1": t for name, t in zip(("q", "k", "v", "g", "beta"), step)})
+    setup = "import lrdsl\nmod = lrdsl.load('gdn')\ntorch.set_grad_enabled(False)"
+    got = run_as_user(example, tmp_path, inputs, {"o1": "o1", "pool": "pool", "states": "mod.unpack_states(pool)"},
+                      setup=setup)
+    assert got["pool"].dtype == torch.int8 and tuple(got["pool"].shape) == (P, HV, K + 4, V)
+    ref_o1, final = reference.run(rec, *step, output_final_state=True)
+    ref_o1[1] = 0  # the padding slot
+    assert_close(got["o1"], ref_o1, torch.float32, "decode o from the zero rows")
+    assert relative_error(got["states"][[2, 4]], final[[0, 2]]) <= K**0.5 / 254
+    assert not got["states"][[0, 1, 3]].any(), "rows no slot names stay zero"
 
 
 def test_readme_varlen_recipe(generator, tmp_path):

@@ -37,7 +37,7 @@ for an in-kernel form (gdn_qwen35: FLA's use_gate_in_kernel and use_beta_sigmoid
 by matching the spec's formulas with the peer's symbol for symbol; never by position.
 
 Serving (--serving, at decode shapes; lrdsl only, FLA has no state pool): decode on a state
-pool of 2B rows in random order (fp32 and bf16 state), verify of 4 draft tokens, and verify +
+pool of 2B rows in random order (fp32, bf16 and 8-bit state), verify of 4 draft tokens, and verify +
 commit of a random number of them, each eager and as a CUDA-graph replay (validate=False, the
 caller's buffers). Each row is gated by one run on a fresh pool against the oracle (o, and the
 pool rows); TB/s counts the state traffic of the row's kernels (a pool decode reads and writes
@@ -61,6 +61,7 @@ from .shapes import (  # noqa: F401
     ORACLE_TOKENS,
     POOL,
     POOL_BF16,
+    POOL_INT8,
     SERVING_CALLS,
     SHAPE_GROUPS,
     TRAINING_SHAPES,

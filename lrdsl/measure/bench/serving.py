@@ -10,7 +10,8 @@ import torch
 from ... import reference
 from ...ir.recurrence import Recurrence
 from ...verification.workloads import TOLERANCE, Shape, make_inputs
-from .shapes import DECODE, DECODE_GRAPH, DRAFT_TOKENS, GRAPH, LRDSL, POOL, POOL_BF16, SERVING_CALLS, VERIFY, VERIFY_COMMIT, shape_label
+from .shapes import (DECODE, DECODE_GRAPH, DRAFT_TOKENS, GRAPH, LRDSL, POOL, POOL_BF16, POOL_INT8, SERVING_CALLS, VERIFY,
+                     VERIFY_COMMIT, shape_label)
 from .timing import _first_line
 from .gate import BenchRow, broken_outputs, worst_error
 
@@ -26,11 +27,16 @@ class ServingCase:
     drafts: tuple  # DRAFT_TOKENS tokens per sequence
     indices: torch.Tensor  # [B] int32: B distinct rows of a pool of 2B, in random order
     accepted: torch.Tensor  # [B] int32 in 0 .. DRAFT_TOKENS, the first DRAFT_TOKENS
-    start: dict  # state dtype -> the pool's start [2B, HV, K, V] (bf16: the fp32 start rounded)
+    start: dict  # state dtype -> the pool's start [2B, HV, K, V] (bf16: the fp32 start rounded; int8: packed)
     expected: dict  # call -> {output name: the oracle's float64 tensor}
 
 
-def make_serving_case(rec: Recurrence, shape: Shape, dtype, device, generator) -> ServingCase:
+def pool_values(module, pool):
+    """A pool's rows as the kernels read them: an 8-bit pool's unpacked, any other's as they are."""
+    return module.unpack_states(pool) if pool.dtype == torch.int8 else pool
+
+
+def make_serving_case(module, rec: Recurrence, shape: Shape, dtype, device, generator) -> ServingCase:
     B, P = shape.B, 2 * shape.B
     decode = tuple(t.to(device) for t in make_inputs(rec, shape, dtype=dtype, generator=generator, normalize_keys=False))
     drafts = tuple(t.to(device) for t in make_inputs(rec, replace(shape, T=DRAFT_TOKENS), dtype=dtype, generator=generator,
@@ -42,11 +48,11 @@ def make_serving_case(rec: Recurrence, shape: Shape, dtype, device, generator) -
     accepted[0] = DRAFT_TOKENS
     accepted = accepted.to(device, torch.int32)
     start32 = (torch.randn(P, shape.HV, shape.K, shape.V, generator=generator) * 0.1).to(device)
-    start = {torch.float32: start32, torch.bfloat16: start32.to(torch.bfloat16)}
+    start = {torch.float32: start32, torch.bfloat16: start32.to(torch.bfloat16), torch.int8: module.pack_states(start32)}
     options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     expected = {}
-    for call in (POOL, POOL_BF16):
-        h0 = start[SERVING_CALLS[call][0]].double()[indices.long()]
+    for call in (POOL, POOL_BF16, POOL_INT8):
+        h0 = pool_values(module, start[SERVING_CALLS[call][0]]).double()[indices.long()]
         o, final = reference.run(rec, *decode, initial_state=h0, **options)
         expected[call] = {"o": o, "pool rows": final}
     h0 = start32.double()[indices.long()]
@@ -67,7 +73,7 @@ def serving_call(module, case: ServingCase, call: str, pool, validate: bool, buf
     where the call writes the pool). `buffers` holds o's buffer and the Draft, made on the first
     call (a graph replays into them)."""
     common = dict(state_pool=pool, state_indices=case.indices, validate=validate, use_qk_l2norm_in_kernel=True)
-    if call in (POOL, POOL_BF16):
+    if call in (POOL, POOL_BF16, POOL_INT8):
         o, _ = module.recurrent(*case.decode, out=buffers.get("o"), **common)
         buffers["o"] = o
         return {"o": o}
@@ -85,7 +91,7 @@ def serving_gate(module, case: ServingCase, call: str, tolerance: float) -> tupl
     with torch.no_grad():
         outputs = serving_call(module, case, call, pool, validate=True, buffers={})
     if call != VERIFY:
-        outputs["pool rows"] = pool[case.indices.long()]
+        outputs["pool rows"] = pool_values(module, pool[case.indices.long()])
         others = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
         others[case.indices.long()] = False
         if not torch.equal(pool[others], case.start[state_dtype][others]):
@@ -94,6 +100,10 @@ def serving_gate(module, case: ServingCase, call: str, tolerance: float) -> tupl
     failures = broken_outputs(outputs)
     if state_dtype == torch.bfloat16:  # the rows are rounded to bf16 whatever the inputs' dtype
         tolerance = max(tolerance, TOLERANCE[torch.bfloat16])
+    if state_dtype == torch.int8:
+        # a store rounds each column to within m / 254 of its K values (m its largest): a relative
+        # error of at most sqrt(K) / 254 (the rows, once stored; o reads the start exactly)
+        tolerance = max(tolerance, case.start[torch.float32].shape[-2] ** 0.5 / 254)
     if error > tolerance:
         failures.append(f"{worst} differs from the float64 oracle by {error:.1e}")
     return error, worst, failures
@@ -101,6 +111,8 @@ def serving_gate(module, case: ServingCase, call: str, tolerance: float) -> tupl
 
 def serving_state_bytes(shape: Shape, call: str) -> int:
     state_dtype, passes = SERVING_CALLS[call]
+    if state_dtype == torch.int8:  # a byte a value and each column's 4-byte scale
+        return passes * shape.B * shape.HV * (shape.K + 4) * shape.V
     element = 2 if state_dtype == torch.bfloat16 else 4
     return passes * shape.B * shape.HV * shape.K * shape.V * element
 
@@ -109,7 +121,7 @@ def serving_rows(spec: SpecUnderTest, shape: Shape, device: str, dtype, generato
                  tolerance: float) -> list[BenchRow]:
     """Every serving call at one decode shape, eager and (on a GPU) as a graph replay, each gated
     on one run against the oracle, then timed on a pool of its own."""
-    case = make_serving_case(spec.rec, shape, dtype, device, generator)
+    case = make_serving_case(spec.module, spec.rec, shape, dtype, device, generator)
     timings = [(DECODE, "")] + ([(DECODE_GRAPH, GRAPH)] if device == "cuda" else [])
     rows, pool_ms = [], {}
     for call in SERVING_CALLS:

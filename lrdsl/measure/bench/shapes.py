@@ -20,9 +20,10 @@ SHAPE_GROUPS = {"training": TRAINING_SHAPES, "family": FAMILY_SHAPES, "decode": 
 FORWARD, FORWARD_BACKWARD, DECODE, DECODE_GRAPH = "fwd", "fwd+bwd", "decode", "decode graph"
 MODES = (FORWARD, FORWARD_BACKWARD, DECODE, DECODE_GRAPH)
 # --serving rows (lrdsl only): what runs, its state dtype, and state rows read / written per call
-POOL, POOL_BF16, VERIFY, VERIFY_COMMIT = "pool", "pool bf16", "verify", "verify+commit"
+POOL, POOL_BF16, POOL_INT8, VERIFY, VERIFY_COMMIT = "pool", "pool bf16", "pool int8", "verify", "verify+commit"
 GRAPH = " graph"  # the same call as a CUDA-graph replay
-SERVING_CALLS = {POOL: (torch.float32, 2), POOL_BF16: (torch.bfloat16, 2), VERIFY: (torch.float32, 1),
+SERVING_CALLS = {POOL: (torch.float32, 2), POOL_BF16: (torch.bfloat16, 2), POOL_INT8: (torch.int8, 2),
+                 VERIFY: (torch.float32, 1),
                  VERIFY_COMMIT: (torch.float32, 3)}
 DRAFT_TOKENS = 4
 
