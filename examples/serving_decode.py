@@ -4,6 +4,7 @@ decoding, checked against the float64 oracle.
     python examples/serving_decode.py                          # tiny shapes: CPU (Triton's interpreter) or GPU
     python examples/serving_decode.py --spec kda               # any spec
     python examples/serving_decode.py --state-dtype bfloat16   # a bf16 state pool (GPU; CPU: --state-dtype float16)
+    python examples/serving_decode.py --state-dtype int8       # an 8-bit state pool (CPU or GPU)
 
 Requests of different lengths are prefilled into rows of a state pool (one packed chunk() call;
 recurrent() for a spec without a chunk form), then decoded in a batch of fixed slots, one token
@@ -20,7 +21,10 @@ checkpoint's row and prefills only its own tokens. On a GPU the decode step and 
 captured once and replayed with new inputs. Random tensors stand in for the model's projections.
 Every step's outputs and, at the end, every request's pool row are compared with the oracle run
 over that request's tokens, within the tolerance of the dtypes (fp32 2e-3, 16-bit inputs or pool
-8e-3); the last line is "ok", or "FAILED:" with each check that failed, and the exit status 1.
+8e-3, an 8-bit pool sqrt(K) / 254: the most one store's rounding of a column can move it, which
+the decay keeps from growing); the last line is "ok", or "FAILED:" with each check that failed,
+and the exit status 1. An 8-bit pool's rows are [HV, K + 4, V] (each state column's scale in the
+row: copying a row for the prefix cache copies it); the checks read them with unpack_states.
 
 A bf16 pool needs a GPU. The pool rounds each row to bf16 after every call, as a GPU does, to
 nearest; Triton's CPU interpreter rounds fp32 to bf16 toward zero instead, a bias that
@@ -110,9 +114,21 @@ class Engine:
         request.state = final[0]
         return o[0]
 
+    def new_state(self):
+        """The oracle's zero state [HV, K, V]."""
+        return torch.zeros(self.shape.HV, self.shape.K, self.shape.V, dtype=torch.float64, device=self.device)
+
+    def rows(self, rows):
+        """Pool rows as the kernels read them (an 8-bit pool's unpacked), in float64."""
+        got = self.pool[rows]
+        return (self.mod.unpack_states(got) if got.dtype == torch.int8 else got).double()
+
     def check(self, what, got, expected):
-        limit = TOLERANCE[torch.float32 if self.dtype == torch.float32 and self.pool.dtype == torch.float32
-                          else torch.bfloat16]
+        if self.pool.dtype == torch.int8:
+            limit = self.shape.K ** 0.5 / 254
+        else:
+            limit = TOLERANCE[torch.float32 if self.dtype == torch.float32 and self.pool.dtype == torch.float32
+                              else torch.bfloat16]
         error = relative_error(got, expected)
         print(f"  {what}: relative error vs the oracle {error:.1e}")
         if not error <= limit:  # NaN fails too
@@ -129,7 +145,7 @@ class Engine:
         prompt = self.tokens(1, P_TOKENS)
         for row in (p_row, q_row):
             self.pool[row] = 0
-        p_request = Request("P", p_row, torch.zeros(self.pool.shape[1:], dtype=torch.float64, device=self.device))
+        p_request = Request("P", p_row, self.new_state())
         checkpoints = torch.tensor([cache_rows], device=self.device)  # P's state after 16 and after 32 tokens
         with torch.no_grad():
             self.mod.chunk(*prompt, state_pool=self.pool, state_indices=torch.tensor([p_row], device=self.device),
@@ -141,7 +157,7 @@ class Engine:
             cached.append(p_request.state)
         print(f"prefix cache: P's prefill ({P_TOKENS} tokens, row {p_row}) wrote its state after {PREFIX_BLOCK} and "
               f"{2 * PREFIX_BLOCK} tokens into rows {cache_rows[0]} and {cache_rows[1]}")
-        self.check("checkpoint rows", self.pool[cache_rows].double(), torch.stack(cached))
+        self.check("checkpoint rows", self.rows(cache_rows), torch.stack(cached))
 
         # Q: P's first 2 blocks (cached) then its own tokens; only those run, from the cached state
         own = self.tokens(1, Q_OWN_TOKENS)
@@ -152,12 +168,12 @@ class Engine:
         with torch.no_grad():
             o, _ = self.mod.chunk(*own, state_pool=self.pool, state_indices=torch.tensor([q_row], device=self.device),
                                   use_qk_l2norm_in_kernel=True)
-        q_request = Request("Q", q_row, torch.zeros(self.pool.shape[1:], dtype=torch.float64, device=self.device))
+        q_request = Request("Q", q_row, self.new_state())
         expected = self.oracle(q_request, q_prompt, 0, 0, cut + Q_OWN_TOKENS)[cut:]  # Q's whole prompt, from zero
         print(f"prefix cache: Q repeats P's first {cut} tokens: row {q_row} := row {cache_rows[1]}, then a prefill "
               f"of Q's own {Q_OWN_TOKENS} tokens")
         self.check("Q's o (its own tokens, against its whole prompt from zero)", o[0], expected)
-        self.check("Q's pool row", self.pool[q_row].double(), q_request.state)
+        self.check("Q's pool row", self.rows([q_row])[0], q_request.state)
 
     def prefill(self, names_and_lengths):
         """New requests' prompts, packed into one call, each into a fresh pool row."""
@@ -165,7 +181,7 @@ class Engine:
         for name, _ in names_and_lengths:
             row = self.free_rows.pop(0)
             self.pool[row] = 0  # a new request starts from the zero state
-            requests.append(Request(name, row, torch.zeros(self.pool.shape[1:], dtype=torch.float64, device=self.device)))
+            requests.append(Request(name, row, self.new_state()))
         lengths = [length for _, length in names_and_lengths]
         tensors = self.tokens(1, sum(lengths))
         bounds = [0]
@@ -201,7 +217,7 @@ def capture_or_call(fn, on_gpu):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", default="gdn", help="a shipped spec's name or a spec file (default gdn)")
-    parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "float16", "int8"))
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -215,7 +231,9 @@ def main(argv=None) -> int:
     shape = Shape(SLOTS, 1, 4, 8, 128, 128) if on_gpu else Shape(SLOTS, 1, 1, 2, 16, 16)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     generator = torch.Generator().manual_seed(0)
-    pool = torch.zeros(POOL_ROWS, shape.HV, shape.K, shape.V, dtype=getattr(torch, args.state_dtype), device=device)
+    # an 8-bit pool: each state column's fp32 scale (4 bytes) beside its K values; zeros are the zero state
+    key_rows = shape.K + 4 if args.state_dtype == "int8" else shape.K
+    pool = torch.zeros(POOL_ROWS, shape.HV, key_rows, shape.V, dtype=getattr(torch, args.state_dtype), device=device)
     free = torch.randperm(POOL_ROWS, generator=generator).tolist()  # rows in no particular order
     engine = Engine(mod, rec, shape, dtype, device, generator, pool, free)
     print(f"{args.spec} on {'the GPU, steps as CUDA-graph replays' if on_gpu else 'the CPU'}: {SLOTS} slots, "
@@ -308,7 +326,7 @@ def main(argv=None) -> int:
     engine.prefix_cache()
     rows = [r.row for r in slots if r]
     engine.step = ""
-    engine.check("final pool rows of the requests in the batch", pool[rows].double(),
+    engine.check("final pool rows of the requests in the batch", engine.rows(rows),
                  torch.stack([r.state for r in slots if r]))
     print("FAILED: " + "; ".join(engine.failed) if engine.failed else "ok")
     return 1 if engine.failed else 0

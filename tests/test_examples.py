@@ -87,6 +87,8 @@ def check_serving_output(command, stdout):
     errors = [float(x) for x in re.findall(r"relative error vs the oracle (\S+)", stdout)]
     sixteen_bit = HAS_GPU or "--state-dtype" in command  # bf16 inputs on a GPU, a 16-bit pool
     limit = 8e-3 if sixteen_bit else 2e-3
+    if "--state-dtype int8" in command:  # one store's rounding of a column, at the example's K (128 on a GPU)
+        limit = (128 if HAS_GPU else 16) ** 0.5 / 254
     # 2 prefills, 6 steps, the tree step, the prefix cache's checkpoints, Q's o and row, the final rows
     assert len(errors) == 13 and max(errors) <= limit, stdout
 
