@@ -225,3 +225,27 @@ def test_pack_unpack_round_trip(generator):
         assert ((back - states).abs() <= half_level * 1.0001).all()
         assert torch.equal(mod.pack_states(back, state_v_first=state_v_first), rows)
         assert torch.equal(back[0, 1], torch.zeros_like(back[0, 1]))
+
+
+def test_8bit_pool_prefill_through_segmented_scans(generator, device, monkeypatch):
+    """A long prefill whose scan runs in segments (the combine kernel reads and writes the pool
+    rows), in both layouts: the 8-bit rows are the fp32 twin's result packed."""
+    from helpers import force_segments
+
+    rec, mod = recurrence("gdn"), module("gdn")
+    chosen = force_segments(monkeypatch, mod)
+    for state_v_first in (False, True):
+        pool = new_8bit_pool(mod, generator, state_v_first, device, rows=3)
+        tensors = inputs(rec, 3, 70, generator)
+        index = torch.tensor([2, -1, 0], dtype=torch.int32, device=device)
+        before, fp32_pool = pool.clone(), twin(mod, pool, state_v_first)
+        ref = ReferencePool(fp32_pool.cpu(), state_v_first)
+        with torch.no_grad():
+            o, _ = mod.chunk(*on(device, tensors), state_pool=pool, state_indices=index, chunk_size=16,
+                             state_v_first=state_v_first)
+            fp32_o, _ = mod.chunk(*on(device, tensors), state_pool=fp32_pool, state_indices=index, chunk_size=16,
+                                  state_v_first=state_v_first)
+        assert chosen and all(chosen), chosen
+        what = f"segmented prefill (state_v_first={state_v_first})"
+        check_outputs(o, fp32_o, ref.run(rec, tensors, [2, -1, 0]), what)
+        check_pools(mod, pool, fp32_pool, before, {0, 2}, state_v_first, what)
