@@ -249,3 +249,20 @@ def test_8bit_pool_prefill_through_segmented_scans(generator, device, monkeypatc
         what = f"segmented prefill (state_v_first={state_v_first})"
         check_outputs(o, fp32_o, ref.run(rec, tensors, [2, -1, 0]), what)
         check_pools(mod, pool, fp32_pool, before, {0, 2}, state_v_first, what)
+
+
+def test_8bit_pool_under_torch_compile(generator, device):
+    """A decode step on an 8-bit pool inside torch.compile(fullgraph=True) (the module's custom
+    op, its fake implementation checking the [P, HV, K + 4, V] rows): the eager call's o and rows."""
+    rec, mod = recurrence("gdn"), module("gdn")
+    tensors = on(device, inputs(rec, 2, 1, generator))
+    pool = new_8bit_pool(mod, generator, False, device, rows=3)
+    eager_pool, index = pool.clone(), torch.tensor([2, 0], device=device)
+
+    def step(*tensors):
+        return mod.recurrent(*tensors, state_pool=pool, state_indices=index, validate=False)[0]
+
+    with torch.no_grad():
+        o = torch.compile(step, backend="aot_eager", fullgraph=True)(*tensors)
+        eager_o, _ = mod.recurrent(*tensors, state_pool=eager_pool, state_indices=index)
+    assert torch.equal(o, eager_o) and torch.equal(pool, eager_pool)
