@@ -226,3 +226,12 @@ def test_no_merge_conflict_markers_are_committed():
             if marker.match(line):
                 found.append(f"{name}:{number}")
     assert not found, f"conflict markers: {found}"
+
+
+def test_generated_modules_are_ascii():
+    """Every shipped spec's module text is ASCII: `lrdsl show` prints it and `lrdsl compile` writes
+    it under any locale (under LC_ALL=C a "§" in copied host code stopped `lrdsl show`)."""
+    for spec in ALL_SPECS:
+        source, _ = generate(spec_path(spec))
+        odd = [(n, line) for n, line in enumerate(source.splitlines(), 1) if not line.isascii()]
+        assert not odd, f"{spec}: non-ASCII text in the module, line {odd[0][0]}: {odd[0][1].strip()}"

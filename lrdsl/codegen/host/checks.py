@@ -224,7 +224,7 @@ def _state_offsets(row, i_hv, o_k, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl
 # fp32 scale (its largest |value| / 127): a row is [HV, K + 4, V] (rows K .. K + 3 of a head hold
 # its V scales as fp32) or, with state_v_first, [HV, V, K + 4] (each column's K values, then its
 # scale). A column is one program's (K is never split), so a store finds its scale alone, and a
-# copy of a pool row carries its scales. Why per column and int8, not e4m3: docs/design.md §5.
+# copy of a pool row carries its scales. Why per column and int8, not e4m3: docs/design.md, section 5.
 POOL_8BIT_DTYPE = torch.int8
 POOL_8BIT_EXTRA = 4  # the bytes of a column's fp32 scale, beside its K values
 POOL_8BIT_LEVELS = 127.0  # int8's largest magnitude used: values round to -127 .. 127
