@@ -68,12 +68,24 @@ class _Exchanged(torch.autograd.Function):
 # Both run eagerly under torch.compile (a graph break): traced, the gathered maps' backward (an
 # all_reduce) would land in a compiled graph, where the ranks' collectives lose the order autograd
 # keeps them in (measured: two chained calls under torch.compile then wait on each other forever).
+def _start_all_gather(x, ctx):
+    """Starts the all_gather of every rank's x (ctx: the CPContext) and returns finish(): it waits
+    and gives them, [W, ...], differentiable (_Exchanged). Work queued between the two runs while
+    the data travels."""
+    rows = [torch.empty_like(x) for _ in range(ctx.world_size)]
+    pending = dist.all_gather(rows, x.detach().contiguous(), group=ctx.group, async_op=True)
+
+    def finish():
+        pending.wait()
+        return _Exchanged.apply(x, torch.stack(rows), ctx.group, ctx.rank)
+
+    return finish
+
+
 @torch.compiler.disable
 def _all_gather(x, ctx):
-    """[W, ...] of every rank's x (ctx: the CPContext), waited for; differentiable (_Exchanged)."""
-    rows = [torch.empty_like(x) for _ in range(ctx.world_size)]
-    dist.all_gather(rows, x.detach().contiguous(), group=ctx.group)
-    return _Exchanged.apply(x, torch.stack(rows), ctx.group, ctx.rank)
+    """[W, ...] of every rank's x, waited for at once."""
+    return _start_all_gather(x, ctx)()
 
 
 class _Tie(torch.autograd.Function):
@@ -190,9 +202,7 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
     # does not need it is under way. The flag travels with them: the ranks must agree on whether
     # there is a backward
     flag = torch.full((1,), float(training), dtype=acc, device=q.device)
-    sent = torch.cat([mine, flag])
-    rows = [torch.empty_like(sent) for _ in range(ctx.world_size)]
-    pending = dist.all_gather(rows, sent.detach().contiguous(), group=ctx.group, async_op=True)
+    finish_gather = _start_all_gather(torch.cat([mine, flag]), ctx)
 
     # 3. while the maps travel: the pieces whose entry state this rank holds (those starting here,
     # but a last piece step 1 ran), in one call; a first piece that continues waits for the maps
@@ -213,8 +223,7 @@ def context_parallel_chunk(ctx, chunk, tensors, options):
     if ran_last:
         outputs.append(last_o)
 
-    pending.wait()
-    gathered = _Exchanged.apply(sent, torch.stack(rows), ctx.group, ctx.rank)
+    gathered = finish_gather()
     maps = gathered[:, :-1].reshape(ctx.world_size, HV, K, V + K)
     # the state this rank's first piece enters with: the earlier ranks' maps chained
     entry = None

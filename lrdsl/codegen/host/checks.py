@@ -228,18 +228,26 @@ def _state_offsets(row, i_hv, o_k, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl
 POOL_8BIT_DTYPE = torch.int8
 POOL_8BIT_EXTRA = 4  # the bytes of a column's fp32 scale, beside its K values
 POOL_8BIT_LEVELS = 127.0  # int8's largest magnitude used: values round to -127 .. 127
-POOL_8BIT_FLOOR = 2.0**-120  # the smallest divisor of a column's scaling (the kernels' 7.52e-37)
+POOL_8BIT_FLOOR = 2.0**-120  # the smallest divisor of a column's scaling: 127 / it stays finite
+# the same three as the kernels read them (pack_states must give the kernels' bytes)
+_EXTRA, _LEVELS, _FLOOR = tl.constexpr(POOL_8BIT_EXTRA), tl.constexpr(POOL_8BIT_LEVELS), tl.constexpr(POOL_8BIT_FLOOR)
+
+
+@triton.jit
+def _columns(mask):
+    """The value columns a K x BV tile's mask touches."""
+    return tl.max(mask.to(tl.int32), axis=0) > 0
 
 
 @triton.jit
 def _column_scales(states, row, i_hv, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    STATE_V_FIRST: tl.constexpr):
     """Pointers to the fp32 scales of value columns o_v of head i_hv in an 8-bit pool's row."""
-    base = (row * HV + i_hv) * ((K + 4) * V)
+    base = (row * HV + i_hv) * ((K + _EXTRA) * V)
     if STATE_V_FIRST:
-        at = states + base + o_v * (K + 4) + K
+        at = states + base + o_v * (K + _EXTRA) + K
     else:
-        at = states + base + K * V + o_v * 4
+        at = states + base + K * V + o_v * _EXTRA
     return at.to(tl.pointer_type(tl.float32))
 
 
@@ -249,9 +257,8 @@ def _load_state(states, row, i_hv, o_k, o_v, mask, HV: tl.constexpr, K: tl.const
     """A state tile in ACC (fp32, fp64 for fp64 inputs), whatever dtype `states` stores (an 8-bit
     pool: its values times their column's scale)."""
     if states.dtype.element_ty == tl.int8:
-        offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K + 4, V, STATE_V_FIRST)
-        column = tl.max(mask.to(tl.int32), axis=0) > 0
-        scales = tl.load(_column_scales(states, row, i_hv, o_v, HV, K, V, STATE_V_FIRST), mask=column, other=0.0)
+        offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K + _EXTRA, V, STATE_V_FIRST)
+        scales = tl.load(_column_scales(states, row, i_hv, o_v, HV, K, V, STATE_V_FIRST), mask=_columns(mask), other=0.0)
         return tl.load(states + offsets, mask=mask, other=0).to(ACC) * scales.to(ACC)[None, :]
     offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K, V, STATE_V_FIRST)
     return tl.load(states + offsets, mask=mask, other=0.0).to(ACC)
@@ -281,17 +288,15 @@ def _store_state(states, row, i_hv, o_k, o_v, mask, tile, HV: tl.constexpr, K: t
     pack_states() on the host gives the same bytes."""
     if states.dtype.element_ty == tl.int8:
         magnitude = tl.max(tl.where(mask, tl.abs(tile.to(tl.float32)), 0.0), axis=0)
-        # the divisor floored at 2**-120 (POOL_8BIT_FLOOR): 127 / it stays finite, and a column
-        # whose values all lie below it stores zeros
-        inverse = tl.math.div_rn(tl.full(magnitude.shape, 127.0, tl.float32), tl.maximum(magnitude, 7.52316384526264e-37))
-        inverse = tl.where(magnitude > 0, inverse, 0.0)
+        # the divisor floored (a column whose values all lie below the floor stores zeros)
+        levels_per_unit = tl.full(magnitude.shape, _LEVELS, tl.float32)
+        inverse = tl.where(magnitude > 0, tl.math.div_rn(levels_per_unit, tl.maximum(magnitude, _FLOOR)), 0.0)
         levels = tl.floor(tile.to(tl.float32) * inverse[None, :] + 0.5)
-        levels = tl.minimum(tl.maximum(levels, -127.0), 127.0)
-        offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K + 4, V, STATE_V_FIRST)
+        levels = tl.minimum(tl.maximum(levels, -_LEVELS), _LEVELS)
+        offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K + _EXTRA, V, STATE_V_FIRST)
         tl.store(states + offsets, levels.to(tl.int8), mask=mask)
-        column = tl.max(mask.to(tl.int32), axis=0) > 0
-        scale = tl.math.div_rn(magnitude, tl.full(magnitude.shape, 127.0, tl.float32))
-        tl.store(_column_scales(states, row, i_hv, o_v, HV, K, V, STATE_V_FIRST), scale, mask=column)
+        scale = tl.math.div_rn(magnitude, levels_per_unit)
+        tl.store(_column_scales(states, row, i_hv, o_v, HV, K, V, STATE_V_FIRST), scale, mask=_columns(mask))
     else:
         offsets = _state_offsets(row, i_hv, o_k, o_v, HV, K, V, STATE_V_FIRST)
         tl.store(states + offsets, tile.to(states.dtype.element_ty), mask=mask)
