@@ -16,7 +16,14 @@ token would make every row of its chunk NaN. So the forward kernels guard their 
     rows_bad marks any row of the chunk.
 Everything a kernel computes from the guarded tiles is finite, and its rows before the first
 marked one are what they would be without the bad token: the chunk form is causal in its rows
-(the exit state and the suffix decays are not, and the state is poisoned). C x C buffers (the
+(the exit state and the suffix decays are not, and the state is poisoned).
+ 4. a kernel's buffer tiles are left unguarded where NaN needs no help (nan_propagates): the
+    buffers' NaN rows start at the first marked row (rule 3), and where every per-row tile the
+    kernel stores takes its row i from rows <= i of them (row-local ops, prefix sums, products
+    that contract the other operand's K or V axis) the NaN arrives on exactly the rows rule 3
+    names, and in the exit state through the products that sum over the chunk's rows. A scan
+    then runs no test, no row reduction and no select on its critical path: gdn's forward scan
+    took 2.03 ms with them at 1 x 32768, 16/32 (H100; BENCHMARKS.md round 35). C x C buffers (the
 solved systems) are neither guarded nor poisoned: built from guarded tiles they are finite, and
 the kernels that read them read the chunk's per-row tiles too. The backward kernels guard nothing
 yet: a non-finite input's gradients come out NaN on every row, where the oracle's are NaN from
@@ -24,12 +31,15 @@ its token on (docs/design.md §2).
 """
 from __future__ import annotations
 
-from ..ir.chunk import FiniteRows, Load
+from ..ir.chunk import Broadcast, ClampBelow, Cumsum, FiniteRows, Formula, Load, MaskRows, MatMul, Normalize
 
 ROWS_BAD = "rows_bad"  # the chunk's rows whose tokens made a value on the way to the state non-finite
 ROWS_BAD_OWN = "rows_bad_own"  # rows whose output alone a non-finite value reaches (q)
 GUARDED_SOURCES = ("q", "k", "v")  # call inputs guarded where they are loaded (rule 1)
 ROW_SHAPES = (("C",), ("C", "K"), ("C", "V"))
+ROW_LOCAL_OPS = (Formula, Normalize, MaskRows, FiniteRows, ClampBelow, Broadcast)  # row i of the result from row i
+# how far a NaN row of a buffer tile reaches within a kernel (nan_propagates)
+UNTOUCHED, LATER_ROWS, EVERY_ROW = 0, 1, 2
 
 
 def _reaches_state(ctx) -> frozenset:
@@ -49,11 +59,43 @@ def guarded_values(ctx) -> dict[str, str]:
     return ctx.guarded
 
 
+def _reach(ctx, value: str, reach: dict[str, int]) -> int:
+    """How far NaN rows of the buffer tiles reach into `value`: not at all, its rows from the first
+    NaN row on (and only those), or possibly every row (row-mixing ops are taken at their worst)."""
+    op = ctx.prog.op(value)
+    worst = max((reach.get(a, UNTOUCHED) for a in op.args()), default=UNTOUCHED)
+    if worst == UNTOUCHED:
+        return UNTOUCHED
+    if ctx.shape(value)[:1] != ("C",):
+        return EVERY_ROW  # a value without rows: a NaN anywhere in the chunk is all of it
+    per_row_args = [a for a in op.args() if ctx.shape(a)[:1] == ("C",)]
+    whole_args = [a for a in op.args() if a not in per_row_args]
+    if any(reach.get(a, UNTOUCHED) for a in whole_args):
+        return EVERY_ROW  # a chunk-wide NaN broadcast to every row
+    if isinstance(op, ROW_LOCAL_OPS) or (isinstance(op, Cumsum) and not op.reverse):
+        return worst
+    if isinstance(op, MatMul) and not op.transpose_a and ctx.shape(op.a)[:1] == ("C",) and not reach.get(op.b):
+        return worst  # row i of a @ b is row i of a against all of b
+    return EVERY_ROW
+
+
+def nan_propagates(ctx) -> bool:
+    """Rule 4: whether NaN rows of this kernel's buffer tiles reach each per-row tile it stores
+    only from their own row on, so that the kernel needs no guard on them."""
+    reach = {v: LATER_ROWS for v in ctx.kernel.loads if ctx.shape(v) in ROW_SHAPES}
+    for value in ctx.kernel.computes:
+        if value not in reach:
+            reach[value] = _reach(ctx, value, reach)
+    results = {value for _, value in ctx.prog.results}
+    stored = [v for v in ctx.kernel.computes if v in ctx.kernel.stores or v in results]
+    return all(reach[v] != EVERY_ROW for v in stored if ctx.shape(v) in ROW_SHAPES)
+
+
 def find_guarded(ctx) -> dict[str, str]:
     if ctx.prog.direction != "forward":
         return {}
     reaching = _reaches_state(ctx)
-    values = [v for v in ctx.kernel.loads if ctx.shape(v) in ROW_SHAPES]
+    values = [] if nan_propagates(ctx) else [v for v in ctx.kernel.loads if ctx.shape(v) in ROW_SHAPES]
     for value in ctx.kernel.computes:
         op = ctx.prog.op(value)
         if isinstance(op, FiniteRows) or (isinstance(op, Load) and op.source in GUARDED_SOURCES):
