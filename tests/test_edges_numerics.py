@@ -205,3 +205,35 @@ def test_right_padded_garbage_leaves_the_real_tokens_exact(name, generator):
         o, _ = mod.chunk(*tensors)
     for b, length in enumerate(lengths):
         assert torch.isfinite(o[b, :length]).all(), f"{name}: sequence {b}'s real rows are not finite"
+
+
+def test_only_kernels_that_nan_reaches_causally_go_unguarded():
+    """row_guards rule 4, for every shipped spec and plan: each forward scan leaves its buffer
+    tiles unguarded (its stored tiles take row i from rows <= i: NaN alone does rule 3's work),
+    every forward output kernel guards the buffers it loads (its masked product over the chunk's
+    rows would carry a later row's NaN into earlier rows), and the call's inputs stay guarded
+    wherever they are loaded."""
+    from lrdsl.codegen.context import KernelContext
+    from lrdsl.codegen.row_guards import GUARDED_SOURCES, ROW_SHAPES, nan_propagates
+    from lrdsl.ir.chunk import Load
+    from lrdsl.passes.pipeline import run_pipeline
+    from lrdsl.spec import load_spec, shipped_spec_names
+    from helpers import spec_path
+
+    checked, plans = 0, 0
+    for name in shipped_spec_names():
+        forward = run_pipeline(load_spec(spec_path(name)))["save"].forward
+        prog = forward.graph.program
+        for plan in forward.plans:
+            plans += 1
+            for kernel in plan.kernels:
+                ctx = KernelContext(prog, plan, kernel)
+                buffers = [v for v in kernel.loads if ctx.shape(v) in ROW_SHAPES]
+                inputs = [v for v in kernel.computes if isinstance(prog.op(v), Load) and prog.op(v).source in GUARDED_SOURCES]
+                assert set(inputs) <= set(ctx.guarded), f"{name} {plan.name}/{kernel.name}: an input load unguarded"
+                if kernel.kind == "scan":
+                    assert nan_propagates(ctx) and not set(buffers) & set(ctx.guarded), f"{name} {plan.name} scan"
+                    checked += 1
+                elif kernel.name == "output" and buffers:
+                    assert not nan_propagates(ctx) and set(buffers) <= set(ctx.guarded), f"{name} {plan.name} output"
+    assert checked == plans  # one scan a plan
