@@ -227,6 +227,30 @@ def test_pack_unpack_round_trip(generator):
         assert torch.equal(back[0, 1], torch.zeros_like(back[0, 1]))
 
 
+def test_pack_states_rounds_with_correctly_rounded_divisions(generator):
+    """pack_states gives the kernels' bytes: round(x * fl(127 / m)) with 127 / m and m / 127 each
+    one correctly rounded fp32 division (the kernels' div_rn), computed here in numpy. torch's
+    127.0 / tensor multiplies by a reciprocal instead, 1 ulp off for about a quarter of the
+    columns; CI met one such column (gdn2 commit, seed 698121103: m = 1.3420782, x = -1.0197681,
+    x * 127 / m = -96.4999..., which the reciprocal took past -96.5 to -97)."""
+    import numpy as np
+
+    mod = module("gdn")
+    states = torch.randn(64, 4, 32, 64, generator=generator) * torch.rand(64, 4, 1, 64, generator=generator) * 4
+    states[0, 0, :, 0] = 0.0
+    states[0, 0, :, 1] = 0.5
+    states[0, 0, 0, 1], states[0, 0, 1, 1] = 1.3420782089233398, -1.0197681188583374
+    x = states.numpy()
+    m = np.abs(x).max(axis=-2, keepdims=True)
+    inverse = np.where(m > 0, np.float32(127.0) / np.maximum(m, np.float32(2.0**-120)), np.float32(0.0))
+    levels = np.clip(np.floor(x * inverse + np.float32(0.5)), -127, 127).astype(np.int8)
+    rows = mod.pack_states(states)
+    assert torch.equal(rows[:, :, :32], torch.from_numpy(levels))
+    assert rows[0, 0, 1, 1] == -96
+    scales = rows[:, :, 32:].contiguous().reshape(64, 4, 1, 4 * 64).view(torch.float32)
+    assert torch.equal(scales, torch.from_numpy(m / np.float32(127.0)))
+
+
 def test_8bit_pool_prefill_through_segmented_scans(generator, device, monkeypatch):
     """A long prefill whose scan runs in segments (the combine kernel reads and writes the pool
     rows), in both layouts: the 8-bit rows are the fp32 twin's result packed."""

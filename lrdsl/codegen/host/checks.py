@@ -324,9 +324,13 @@ def pack_states(states, state_v_first=False):
     x = states.float()
     magnitude = x.abs().amax(dim=k_axis, keepdim=True)
     floored = magnitude.clamp(min=POOL_8BIT_FLOOR)  # as the kernels divide: 127 / it stays finite
-    inverse = torch.where(magnitude > 0, POOL_8BIT_LEVELS / floored, torch.zeros_like(magnitude))
+    # divisions of two tensors, correctly rounded as the kernels' div_rn: torch computes a number
+    # over a tensor as the number times the tensor's reciprocal (two roundings: 1 ulp off for a
+    # quarter of the divisors), and a tensor over a number on a GPU likewise
+    levels_per_unit = torch.full_like(magnitude, POOL_8BIT_LEVELS)
+    inverse = torch.where(magnitude > 0, levels_per_unit / floored, torch.zeros_like(magnitude))
     levels = torch.floor(x * inverse + 0.5).clamp(-POOL_8BIT_LEVELS, POOL_8BIT_LEVELS).to(POOL_8BIT_DTYPE)
-    scale = (magnitude / POOL_8BIT_LEVELS).contiguous()  # [N, HV, 1, V] or [N, HV, V, 1]
+    scale = (magnitude / levels_per_unit).contiguous()  # [N, HV, 1, V] or [N, HV, V, 1]
     if state_v_first:
         scale_bytes = scale.view(POOL_8BIT_DTYPE)  # [N, HV, V, 4]
     else:  # the V scales' bytes as 4 more rows of V bytes
