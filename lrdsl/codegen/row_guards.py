@@ -16,18 +16,18 @@ token would make every row of its chunk NaN. So the forward kernels guard their 
     rows_bad marks any row of the chunk.
 Everything a kernel computes from the guarded tiles is finite, and its rows before the first
 marked one are what they would be without the bad token: the chunk form is causal in its rows
-(the exit state and the suffix decays are not, and the state is poisoned).
+(the exit state and the suffix decays are not, and the state is poisoned). C x C buffers (the
+solved systems) are neither guarded nor poisoned: built from guarded tiles they are finite, and
+the kernels that read them read the chunk's per-row tiles too. The backward kernels guard nothing
+yet: a non-finite input's gradients come out NaN on every row, where the oracle's are NaN from
+its token on (docs/design.md §2). One more rule keeps the guards off where they buy nothing:
  4. a kernel's buffer tiles are left unguarded where NaN needs no help (nan_propagates): the
     buffers' NaN rows start at the first marked row (rule 3), and where every per-row tile the
     kernel stores takes its row i from rows <= i of them (row-local ops, prefix sums, products
     that contract the other operand's K or V axis) the NaN arrives on exactly the rows rule 3
     names, and in the exit state through the products that sum over the chunk's rows. A scan
     then runs no test, no row reduction and no select on its critical path: gdn's forward scan
-    took 2.03 ms with them at 1 x 32768, 16/32 (H100; BENCHMARKS.md round 35). C x C buffers (the
-solved systems) are neither guarded nor poisoned: built from guarded tiles they are finite, and
-the kernels that read them read the chunk's per-row tiles too. The backward kernels guard nothing
-yet: a non-finite input's gradients come out NaN on every row, where the oracle's are NaN from
-its token on (docs/design.md §2).
+    took 2.03 ms with them at 1 x 32768, 16/32 (H100; BENCHMARKS.md round 35).
 """
 from __future__ import annotations
 
