@@ -251,6 +251,42 @@ def test_pack_states_rounds_with_correctly_rounded_divisions(generator):
     assert torch.equal(scales, torch.from_numpy(m / np.float32(127.0)))
 
 
+USER_PACKS_A_STATE_THE_KERNEL_STORES = """
+import lrdsl, torch
+mod = lrdsl.load("gdn")
+# one decode step from a zero row with g = 0, beta = 1: the kernel stores the state k v^T, whose
+# column 0 is k itself: largest |value| m = 1.3420782, and x = -1.0197681 with x * 127 / m on the
+# rounding boundary between levels -96 and -97 (CI's column, gdn2 commit, seed 698121103)
+k = torch.full((1, 1, 1, 8), 0.5)
+k[0, 0, 0, 0], k[0, 0, 0, 1] = 1.3420782089233398, -1.0197681188583374
+v = torch.tensor([[[[1.0, 0.25, -2.0, 0.125]]]])
+q, g, beta = torch.ones(1, 1, 1, 8), torch.zeros(1, 1, 1), torch.ones(1, 1, 1)
+pool = mod.pack_states(torch.zeros(1, 1, 8, 4))
+mod.recurrent(q, k, v, g, beta, state_pool=pool, state_indices=torch.tensor([0]))
+expected = mod.pack_states(k[0, 0, 0][:, None] * v[0, 0, 0][None, :] * torch.ones(1, 1, 8, 4))
+print(pool[0, 0, 1, 0].item(), expected[0, 0, 1, 0].item(), torch.equal(pool, expected))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the bytes are exact on the CPU interpreter; a GPU may contract x * (127 / m) + 0.5")
+def test_pack_states_gives_the_bytes_the_kernel_stores_in_a_fresh_interpreter(tmp_path):
+    """A user's round trip, in a fresh interpreter through the public API: a state the decode
+    kernel stores into an 8-bit pool, and pack_states() of the same state, are the same bytes.
+    pack_states used to compute 127 / m as a reciprocal times 127 and packed -97 here (the kernel:
+    -96)."""
+    import subprocess
+    import sys
+
+    from test_cli import user_environment
+
+    script = tmp_path / "pack.py"
+    script.write_text(USER_PACKS_A_STATE_THE_KERNEL_STORES)
+    result = subprocess.run([sys.executable, str(script)], env=user_environment(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["-96", "-96", "True"], result.stdout
+
+
 def test_8bit_pool_prefill_through_segmented_scans(generator, device, monkeypatch):
     """A long prefill whose scan runs in segments (the combine kernel reads and writes the pool
     rows), in both layouts: the 8-bit rows are the fp32 twin's result packed."""
