@@ -31,13 +31,12 @@ its token on (docs/design.md §2). One more rule keeps the guards off where they
 """
 from __future__ import annotations
 
-from ..ir.chunk import Broadcast, ClampBelow, Cumsum, FiniteRows, Formula, Load, MaskRows, MatMul, Normalize
+from ..ir.chunk import ROW_LOCAL_OPS, Cumsum, FiniteRows, Load, MatMul
 
 ROWS_BAD = "rows_bad"  # the chunk's rows whose tokens made a value on the way to the state non-finite
 ROWS_BAD_OWN = "rows_bad_own"  # rows whose output alone a non-finite value reaches (q)
 GUARDED_SOURCES = ("q", "k", "v")  # call inputs guarded where they are loaded (rule 1)
 ROW_SHAPES = (("C",), ("C", "K"), ("C", "V"))
-ROW_LOCAL_OPS = (Formula, Normalize, MaskRows, FiniteRows, ClampBelow, Broadcast)  # row i of the result from row i
 # how far a NaN row of a buffer tile reaches within a kernel (nan_propagates)
 UNTOUCHED, LATER_ROWS, EVERY_ROW = 0, 1, 2
 

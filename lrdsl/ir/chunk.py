@@ -466,6 +466,11 @@ COTANGENT = "dO"  # the output's gradient, C x V
 SAVED = "saved:"  # prefix: a value the forward pass stored (entry states, W, U, ...)
 
 
+# ops whose result's row i reads only row i of their per-row arguments (and scalars or vectors
+# without rows): plan rule 6's chunk-size-free values, row_guards' NaN reach
+ROW_LOCAL_OPS = (Normalize, Formula, MaskRows, FiniteRows, ClampBelow, Broadcast)
+
+
 @dataclass(frozen=True)
 class ChunkProgram:
     recurrence: Recurrence

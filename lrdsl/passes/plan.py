@@ -28,11 +28,10 @@ The plans differ in rule 3's grouping:
 """
 from __future__ import annotations
 
-from ..ir.chunk import Broadcast, ChunkProgram, ClampBelow, FiniteRows, Formula, Load, MaskRows, Normalize, UnitLowerInverse
+from ..ir.chunk import ROW_LOCAL_OPS, Broadcast, ChunkProgram, FiniteRows, Formula, Load, UnitLowerInverse
 from ..ir.plan import Buffer, ChunkPlans, Kernel, Plan, StageGraph
 
 FP32_BUFFER_SHAPES = (("C", "C"), ("C",), (), ("K",))
-ROW_LOCAL_OPS = (Normalize, Formula, MaskRows, FiniteRows, ClampBelow, Broadcast)  # row i of the result reads only row i (or scalars)
 
 PLAN_SUMMARIES = {
     "fused": "all prepare work in one kernel",
